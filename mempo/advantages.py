@@ -1,0 +1,110 @@
+"""Advantages: GRPO outcome advantage, MemPO's memory advantage, per-token assembly.
+
+Glossary: B trajectories, K (trajectory, round) memory items, N training sequences,
+L tokens per sequence, S memory spans.
+
+Numerics (DESIGN.md section 1): std is the unbiased (n-1) estimator, eps = 1e-6. A
+group (or pool) of size 1, or with zero variance, gets advantage 0. This differs from
+verl, whose size-1 group returns the raw score (mean 0, std 1); we follow slime, since a
+lone sample carries no relative signal. With ``norm_by_std=False`` (Dr.GRPO) the
+advantage is the centred reward, and a size-1 group still gets 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _group_normalize(values: Tensor, ids: Tensor, eps: float, norm_by_std: bool) -> Tensor:
+    """(x - mean_g) / (std_g + eps) within each id; 0 for size-1 or zero-variance groups."""
+    values = values.to(torch.float32)
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # (G,)
+    num_groups = counts.numel()
+    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, values
+    )
+    counts_f = counts.to(values.dtype)
+    mean = sums / counts_f  # (G,)
+    centred = values - mean[inverse]  # (B,)
+    sq = torch.zeros_like(sums).index_add_(0, inverse, centred * centred)
+    var = sq / (counts_f - 1).clamp(min=1)  # unbiased; size-1 handled below
+    std = var.sqrt()
+    # Zero variance is tested exactly (max == min), not as std > 0: float rounding can
+    # leave a tiny std in a constant group, which eps would turn into a spurious signal.
+    gmax = torch.full_like(sums, -torch.inf).scatter_reduce(0, inverse, values, "amax")
+    gmin = torch.full_like(sums, torch.inf).scatter_reduce(0, inverse, values, "amin")
+    constant = gmax == gmin  # (G,)
+    degenerate = (counts <= 1) | constant  # (G,)
+    out = centred / (std[inverse] + eps) if norm_by_std else centred
+    return torch.where(degenerate[inverse], torch.zeros_like(out), out)
+
+
+def grpo_outcome_advantage(
+    rewards: Tensor, group_ids: Tensor, eps: float = 1e-6, norm_by_std: bool = True
+) -> Tensor:
+    """A_T(i) = (R_T(i) - mean_group) / (std_group + eps).
+
+    Args:
+        rewards: (B,) outcome reward of each trajectory.
+        group_ids: (B,) integer group (task) of each trajectory.
+    Returns:
+        (B,) float32 advantages; 0 for a group of size 1 or with zero variance.
+    """
+    if rewards.shape != group_ids.shape or rewards.ndim != 1:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D"
+        )
+    return _group_normalize(rewards, group_ids, eps, norm_by_std)
+
+
+def memory_advantage(mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """A_M(i,t) = (R_M(i,t) - mean_pool) / (std_pool + eps), R_M = P_mem - P_full.
+
+    Args:
+        mem_rewards: (K,) memory reward of each (trajectory, round) with a memory.
+        pool_ids: (K,) pool of each item: every round of every trajectory of one group.
+    Returns:
+        (K,) float32 advantages; 0 for a pool of size 1 or with zero variance.
+    """
+    if mem_rewards.shape != pool_ids.shape or mem_rewards.ndim != 1:
+        raise ValueError(
+            f"mem_rewards {tuple(mem_rewards.shape)} and pool_ids {tuple(pool_ids.shape)} must be equal 1-D"
+        )
+    return _group_normalize(mem_rewards, pool_ids, eps, norm_by_std=True)
+
+
+def token_advantages(
+    sequence_advantages: Tensor,
+    loss_mask: Tensor,
+    span_sequence: Tensor,
+    span_start: Tensor,
+    span_end: Tensor,
+    span_advantages: Tensor,
+    alpha: float = 1.0,
+) -> Tensor:
+    """Per-token advantages: A_T of the sequence's trajectory everywhere it trains, plus
+    ``alpha * A_M`` inside each <mem> span.
+
+    In memory mode each round is a sequence with at most one span; in full mode one
+    sequence holds every round and so several spans. Tokens outside ``loss_mask``
+    (prompts, information) get 0.
+
+    Args:
+        sequence_advantages: (N,) outcome advantage of each sequence's trajectory.
+        loss_mask: (N, L) 1 where the token is a trained response token.
+        span_sequence: (S,) sequence index of each memory span.
+        span_start, span_end: (S,) token offsets [start, end) in the sequence.
+        span_advantages: (S,) memory advantage of each span.
+    Returns:
+        (N, L) float32 advantages.
+    """
+    n, length = loss_mask.shape
+    mask = loss_mask.to(torch.float32)
+    adv = sequence_advantages.to(torch.float32)[:, None].expand(n, length).clone()  # (N, L)
+    if span_sequence.numel():
+        pos = torch.arange(length, device=loss_mask.device)[None, :]  # (1, L)
+        inside = (pos >= span_start[:, None]) & (pos < span_end[:, None])  # (S, L)
+        bonus = alpha * span_advantages.to(torch.float32)[:, None] * inside  # (S, L)
+        adv.index_add_(0, span_sequence.long(), bonus)
+    return adv * mask

@@ -1,0 +1,109 @@
+"""The engine API: the subset of SGLang's native HTTP API an RL system uses.
+
+Real SGLang servers and the CPU engine (services/rollout) speak it alike. Unknown keys
+are ignored, as SGLang does. See ../shared/reference/sglang-api.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1: no top-k")
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=1024)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """Exactly one of ``text`` / ``input_ids``; a list of prompts is a batch."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class FinishReason(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str = "default"
+    output_token_logprobs: list[list[Any]] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: str = ""
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightsResponse(BaseModel):
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: Any = None
+    weight_version: str = "default"
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    abort_all: bool = False

@@ -1,0 +1,1 @@
+"""Async HTTP clients of the services (retries per STYLE.md rule 7)."""

@@ -1,0 +1,208 @@
+"""Client of an SGLang engine (or the CPU engine that mimics it): token in, token out.
+
+- ``generate`` sends ``input_ids`` and explicit sampling parameters, and returns the
+  exact ``output_ids`` with their log-probs. SGLang trims a matched stop string from
+  ``text``; the client restores it from ``finish_reason.matched``.
+- Tolerates SGLang 0.5.x route renames (``/model_info`` vs ``/get_model_info``) and
+  response shapes (a list for n > 1 or a batch).
+- Admin calls (weight updates, flush, pause) carry the admin bearer token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from mempo.api.engine import GenerateResponse, ModelInfo, UpdateWeightsResponse
+from mempo.retry import Backoff, request
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """The engine refused the request (4xx) or answered something unreadable."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sample: exactly what the engine produced."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str  # with the matched stop string restored
+    finish_type: str  # stop | length | abort
+    matched: int | str | None
+    weight_version: str
+    prompt_tokens: int
+
+
+def parse_generation(raw: dict[str, Any]) -> Generation:
+    resp = GenerateResponse.model_validate(raw)
+    meta = resp.meta_info
+    finish = meta.finish_reason
+    text = resp.text
+    matched = finish.matched if finish else None
+    if (
+        finish is not None
+        and finish.type == "stop"
+        and isinstance(matched, str)
+        and not text.endswith(matched)
+    ):
+        text += matched
+    entries = meta.output_token_logprobs or []
+    if entries and len(entries) != len(resp.output_ids):
+        raise EngineError(f"{len(entries)} output logprobs for {len(resp.output_ids)} output ids")
+    logprobs = [float(e[0]) if e and e[0] is not None else 0.0 for e in entries]
+    return Generation(
+        output_ids=list(resp.output_ids),
+        logprobs=logprobs,
+        text=text,
+        finish_type=finish.type if finish else "stop",
+        matched=matched,
+        weight_version=str(meta.weight_version),
+        prompt_tokens=meta.prompt_tokens,
+    )
+
+
+class EngineClient:
+    def __init__(
+        self,
+        base_url: str,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        attempts: int = 3,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.admin_token = admin_token
+        self.attempts = attempts
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._own_client = client is None
+        self.http = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        if self._own_client:
+            await self.http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    async def _post(
+        self, path: str, body: dict[str, Any], admin: bool = False, attempts: int | None = None
+    ) -> Any:
+        response = await request(
+            self.http,
+            "POST",
+            f"{self.base_url}{path}",
+            json=body,
+            headers=self._admin_headers() if admin else None,
+            attempts=attempts or self.attempts,
+            backoff=Backoff(base=0.5, cap=5.0),
+        )
+        if response.status_code >= 400:
+            raise EngineError(
+                f"{path}: HTTP {response.status_code}: {response.text[:500]}", response.status_code
+            )
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> list[Generation]:
+        """Sample from one prompt; ``sampling_params["n"]`` > 1 gives n samples."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid:
+            body["rid"] = rid
+        raw = await self._post("/generate", body)
+        items = raw if isinstance(raw, list) else [raw]
+        try:
+            return [parse_generation(item) for item in items]
+        except (ValueError, TypeError) as exc:
+            raise EngineError(f"unreadable /generate response: {exc}") from exc
+
+    async def model_info(self) -> ModelInfo:
+        for path in ("/model_info", "/get_model_info"):
+            response = await request(
+                self.http, "GET", f"{self.base_url}{path}", attempts=self.attempts
+            )
+            if response.status_code == 404:
+                continue
+            if response.status_code >= 400:
+                raise EngineError(f"{path}: HTTP {response.status_code}", response.status_code)
+            return ModelInfo.model_validate(response.json())
+        raise EngineError("the engine has neither /model_info nor /get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        for path in ("/server_info", "/get_server_info"):
+            response = await request(
+                self.http, "GET", f"{self.base_url}{path}", attempts=self.attempts
+            )
+            if response.status_code == 404:
+                continue
+            if response.status_code >= 400:
+                raise EngineError(f"{path}: HTTP {response.status_code}", response.status_code)
+            return dict(response.json())
+        return {}
+
+    async def health(self) -> bool:
+        try:
+            response = await self.http.get(f"{self.base_url}/health", timeout=30.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str,
+        abort_all_requests: bool = False,
+        attempts: int = 1,
+    ) -> UpdateWeightsResponse:
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests,
+        }
+        raw = await self._post("/update_weights_from_disk", body, admin=True, attempts=attempts)
+        return UpdateWeightsResponse.model_validate(raw)
+
+    async def flush_cache(self) -> None:
+        await self._post("/flush_cache", {}, admin=True)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode}, admin=True)
+
+    async def continue_generation(self) -> None:
+        await self._post("/continue_generation", {}, admin=True)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all}, admin=True)

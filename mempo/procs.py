@@ -1,0 +1,115 @@
+"""Local processes: free ports, a private redis-server, waiting for readiness.
+
+Used by ``mempo up`` and by the tests that run real servers.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(
+    url: str,
+    timeout_s: float = 60.0,
+    path: str = "/ready",
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Poll ``url + path`` until it answers 200; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"{url}: the process exited with code {proc.returncode} before it was ready"
+            )
+        try:
+            response = httpx.get(url.rstrip("/") + path, timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f}s ({last})")
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, in its own directory."""
+
+    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = False) -> None:
+        self.directory = Path(directory)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not on PATH: run scripts/bootstrap (or apt-get install redis-server)"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--dir",
+            str(self.directory),
+            "--logfile",
+            str(self.directory / "redis.log"),
+            "--protected-mode",
+            "yes",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}; see {self.directory / 'redis.log'}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

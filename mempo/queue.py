@@ -1,0 +1,290 @@
+"""The Redis layer: task and group streams, dead letters, policy pointer, engine registry.
+
+Streams with consumer groups give at-least-once delivery: a record stays pending until
+its consumer acks it, and a consumer that dies leaves it to be reclaimed (XAUTOCLAIM)
+by another after ``claim_idle_ms``. A record delivered ``max_deliveries`` times without
+an ack, or one that does not decode, goes to the dead stream with its reason; nothing
+is dropped silently. Acked entries are deleted, so streams do not grow without bound.
+
+Consumers loop over ``claim_*``; ``block_ms=None`` makes a claim non-blocking, which is
+the "burst" mode tests use to drain a stream deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field, ValidationError
+from redis.exceptions import ResponseError
+
+from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
+from mempo.schemas import Group, Task
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", Task, Group)
+DEAD_STREAM_MAXLEN = 100_000
+
+
+class EngineInfo(BaseModel):
+    """A registry entry: an engine (or the scorer) that receives weight updates."""
+
+    id: str
+    role: Literal["rollout", "scorer", "engine"] = "rollout"
+    url: str = Field(description="base URL of the engine's SGLang-compatible API")
+    weight_version: str = "0"
+    started_at: float = Field(default_factory=time.time)
+    worker_url: str | None = Field(default=None, description="the rollout worker's own URL, if any")
+
+
+class PolicyPointer(BaseModel):
+    """The current policy: HF-format weights at ``path``."""
+
+    version: int
+    path: str
+    updated_at: float = Field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[R]):
+    """A claimed record; ack it by ``entry_id`` once it is durably handled."""
+
+    entry_id: str
+    record: R
+    deliveries: int
+
+
+def connect(url: str) -> aioredis.Redis:
+    """An asyncio Redis client with string replies and bounded connect time."""
+    return aioredis.Redis.from_url(
+        url, decode_responses=True, socket_connect_timeout=5, health_check_interval=15
+    )
+
+
+class RedisQueue:
+    """Streams, dead letters, policy pointer and engine registry under one key prefix."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys | None = None,
+        consumer: str = "consumer",
+        claim_idle_ms: int = 60_000,
+        max_deliveries: int = 3,
+    ) -> None:
+        if max_deliveries < 1 or claim_idle_ms < 1:
+            raise ValueError("max_deliveries and claim_idle_ms must be positive")
+        self.redis: Any = redis  # redis-py's async stubs type replies as bytes | str
+        self.keys = keys or Keys()
+        self.consumer = consumer
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+
+    async def ensure_groups(self) -> None:
+        """Create both streams and their consumer groups if missing (idempotent)."""
+        for stream, group in ((self.keys.tasks, ROLLOUT_GROUP), (self.keys.groups, LEARNER_GROUP)):
+            try:
+                await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # ----------------------------------------------------------------- tasks and groups
+
+    async def publish_task(self, task: Task) -> str:
+        return str(await self.redis.xadd(self.keys.tasks, {"data": task.model_dump_json()}))
+
+    async def claim_task(self, block_ms: int | None = 1000) -> Delivery[Task] | None:
+        """One task for this consumer: a reclaimed idle one first, else a new one."""
+        got = await self._claim(self.keys.tasks, ROLLOUT_GROUP, Task, 1, block_ms)
+        return got[0] if got else None
+
+    async def ack_task(self, entry_id: str) -> None:
+        await self._ack(self.keys.tasks, ROLLOUT_GROUP, [entry_id])
+
+    async def publish_group(self, group: Group) -> str:
+        payload = group.model_dump_json(context={"pack": True})
+        return str(await self.redis.xadd(self.keys.groups, {"data": payload}))
+
+    async def claim_groups(self, count: int, block_ms: int | None = 1000) -> list[Delivery[Group]]:
+        return await self._claim(self.keys.groups, LEARNER_GROUP, Group, count, block_ms)
+
+    async def pending_groups(self, count: int) -> list[Delivery[Group]]:
+        """Groups this consumer claimed but never acked (a restart reads them back first)."""
+        reply = await self.redis.xreadgroup(LEARNER_GROUP, self.consumer, {self.keys.groups: "0"}, count=count)
+        out: list[Delivery[Group]] = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                delivery = await self._decode(self.keys.groups, LEARNER_GROUP, Group, entry_id, fields)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
+
+    async def ack_groups(self, entry_ids: list[str]) -> None:
+        await self._ack(self.keys.groups, LEARNER_GROUP, entry_ids)
+
+    async def record_failure(self, entry_id: str, reason: str) -> None:
+        """Remember why handling failed; the reason goes with the record if it dies."""
+        await self.redis.hset(self.keys.failures, entry_id, reason[:2000])
+
+    async def dead_letter(
+        self, stream: str, group: str, entry_id: str, data: str, reason: str
+    ) -> None:
+        """Move a record to the dead stream with its reason, and ack it where it was."""
+        await self.redis.xadd(
+            self.keys.dead,
+            {
+                "stream": stream,
+                "entry_id": entry_id,
+                "reason": reason,
+                "data": data,
+                "at": str(time.time()),
+            },
+            maxlen=DEAD_STREAM_MAXLEN,
+            approximate=True,
+        )
+        await self._ack(stream, group, [entry_id])
+        log.warning("dead-lettered %s %s: %s", stream, entry_id, reason)
+
+    async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
+        entries = await self.redis.xrange(self.keys.dead, count=count)
+        return [dict(fields, dead_id=entry_id) for entry_id, fields in entries]
+
+    async def _ack(self, stream: str, group: str, entry_ids: list[str]) -> None:
+        if not entry_ids:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, group, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+            pipe.hdel(self.keys.failures, *entry_ids)
+            await pipe.execute()
+
+    async def _claim(
+        self, stream: str, group: str, model: type[R], count: int, block_ms: int | None
+    ) -> list[Delivery[R]]:
+        # XAUTOCLAIM replies [cursor, entries] on 6.2 and [cursor, entries, deleted] on 7: read [0], [1].
+        reply = await self.redis.xautoclaim(
+            stream,
+            group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id="0-0",
+            count=count,
+        )
+        entries: list[tuple[str, dict[str, str] | None]] = list(reply[1])
+        if len(entries) < count:
+            fresh = await self.redis.xreadgroup(
+                group, self.consumer, {stream: ">"}, count=count - len(entries), block=block_ms
+            )
+            for _, stream_entries in fresh or []:
+                entries.extend(stream_entries)
+        out: list[Delivery[R]] = []
+        for entry_id, fields in entries:
+            delivery = await self._decode(stream, group, model, entry_id, fields)
+            if delivery is not None:
+                out.append(delivery)
+        return out
+
+    async def _decode(
+        self, stream: str, group: str, model: type[R], entry_id: str, fields: dict[str, str] | None
+    ) -> Delivery[R] | None:
+        if not fields:  # deleted while pending (Redis 6.2 returns it as nil)
+            await self._ack(stream, group, [entry_id])
+            return None
+        data = fields.get("data", "")
+        deliveries = await self._deliveries(stream, group, entry_id)
+        if deliveries > self.max_deliveries:
+            last = await self.redis.hget(self.keys.failures, entry_id)
+            reason = f"not acknowledged after {deliveries - 1} deliveries (max_deliveries={self.max_deliveries})"
+            await self.dead_letter(
+                stream, group, entry_id, data, reason + (f"; last error: {last}" if last else "")
+            )
+            return None
+        try:
+            record = model.model_validate_json(data)
+        except (ValidationError, ValueError) as exc:
+            reason = f"malformed {model.__name__} record: {_first_error(exc)}"
+            await self.dead_letter(stream, group, entry_id, data, reason)
+            return None
+        return Delivery(entry_id=entry_id, record=record, deliveries=deliveries)
+
+    async def _deliveries(self, stream: str, group: str, entry_id: str) -> int:
+        pending = await self.redis.xpending_range(
+            stream, group, min=entry_id, max=entry_id, count=1
+        )
+        return int(pending[0]["times_delivered"]) if pending else 1
+
+    async def stream_lengths(self) -> dict[str, int]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in (self.keys.tasks, self.keys.groups, self.keys.dead):
+                pipe.xlen(key)
+            tasks, groups, dead = await pipe.execute()
+        return {"tasks": int(tasks), "groups": int(groups), "dead": int(dead)}
+
+    # ----------------------------------------------------------------- policy pointer
+
+    async def get_policy(self) -> PolicyPointer | None:
+        raw = await self.redis.hgetall(self.keys.policy)
+        if not raw:
+            return None
+        return PolicyPointer(
+            version=int(raw["version"]),
+            path=raw["path"],
+            updated_at=float(raw.get("updated_at", 0)),
+        )
+
+    async def set_policy(self, version: int, path: str) -> PolicyPointer:
+        pointer = PolicyPointer(version=version, path=path)
+        await self.redis.hset(
+            self.keys.policy,
+            mapping={"version": version, "path": path, "updated_at": pointer.updated_at},
+        )
+        return pointer
+
+    # ----------------------------------------------------------------- engine registry
+
+    async def register_engine(self, info: EngineInfo, ttl_s: int = 30) -> None:
+        """Register or refresh (heartbeat) an engine; it expires ``ttl_s`` after the last call."""
+        await self.redis.set(self.keys.engine(info.id), info.model_dump_json(), ex=ttl_s)
+
+    async def unregister_engine(self, engine_id: str) -> None:
+        await self.redis.delete(self.keys.engine(engine_id))
+
+    async def list_engines(self) -> list[EngineInfo]:
+        keys = [k async for k in self.redis.scan_iter(match=self.keys.engines_pattern, count=500)]
+        if not keys:
+            return []
+        engines = []
+        for raw in await self.redis.mget(keys):
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                engines.append(EngineInfo.model_validate_json(raw))
+            except ValidationError as exc:
+                log.warning("ignoring malformed engine registration: %s", _first_error(exc))
+        return sorted(engines, key=lambda e: e.id)
+
+    # ----------------------------------------------------------------- learner state
+
+    async def get_state(self) -> dict[str, str]:
+        return dict(await self.redis.hgetall(self.keys.learner_state))
+
+    async def set_state(self, **fields: Any) -> None:
+        if fields:
+            await self.redis.hset(
+                self.keys.learner_state,
+                mapping={k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
+            )
+
+
+def _first_error(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "record"
+        return f"{where}: {err.get('msg')}"
+    return str(exc)[:500]

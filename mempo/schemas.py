@@ -1,0 +1,174 @@
+"""Wire records shared by every service (DESIGN.md section 5).
+
+These pydantic models are the one contract for what travels between processes: over
+HTTP as plain JSON, and through Redis where the token arrays travel packed (base64 of
+little-endian int32 / float64, see mempo/arrays.py) when dumped with
+``context={"pack": True}``. Validation accepts both forms, so
+``Model.model_validate_json(m.model_dump_json(...)) == m`` either way.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mempo.arrays import LogProbs, TokenIds
+
+SCHEMA_VERSION = 1
+
+Mode = Literal["memory", "full"]
+Action = Literal["search", "answer", "invalid"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+    schema_version: int = SCHEMA_VERSION
+
+    @model_validator(mode="after")
+    def _check_version(self) -> Record:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is not supported (this build reads {SCHEMA_VERSION})"
+            )
+        return self
+
+
+class Task(Record):
+    """One task: k questions answered together, rolled out n times (one GRPO group)."""
+
+    task_id: str = Field(default_factory=lambda: new_id("task"), min_length=1, max_length=200)
+    group_id: str = Field(default_factory=lambda: new_id("group"), min_length=1, max_length=200)
+    questions: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=64)
+    answers: list[list[Annotated[str, Field(min_length=1)]]] = Field(
+        min_length=1, description="gold aliases, one non-empty list per question"
+    )
+    n: int = Field(default=4, ge=1, le=1024, description="rollouts of this task (group size)")
+    mode: Mode = "memory"
+    max_rounds: int = Field(default=8, ge=1, le=256)
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _check_answers(self) -> Task:
+        if len(self.answers) != len(self.questions):
+            raise ValueError(
+                f"answers has {len(self.answers)} alias lists for {len(self.questions)} questions"
+            )
+        if any(len(aliases) == 0 for aliases in self.answers):
+            raise ValueError("answers: every question needs at least one gold alias")
+        return self
+
+
+class Round(Record):
+    """One generation of the agent: exactly the ids the engine saw and produced."""
+
+    index: int = Field(ge=0)
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    response_logprobs: LogProbs
+    mem_span: tuple[int, int] | None = Field(
+        default=None, description="[start, end) of the <mem> content in response_ids"
+    )
+    action: Action
+    query: str | None = None
+    information: str | None = Field(default=None, description="text shown to the agent next round")
+    finish_reason: str = "stop"
+    weight_version: str = "0"
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> Round:
+        if len(self.prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty")
+        if len(self.response_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"response_logprobs has {len(self.response_logprobs)} values for "
+                f"{len(self.response_ids)} response_ids"
+            )
+        if self.mem_span is not None:
+            start, end = self.mem_span
+            if not 0 <= start <= end <= len(self.response_ids):
+                raise ValueError(
+                    f"mem_span {self.mem_span} lies outside the response ({len(self.response_ids)} tokens)"
+                )
+        if self.action == "search" and not self.query:
+            raise ValueError("a search round needs its query")
+        return self
+
+
+class Trajectory(Record):
+    """One episode of a task; p_mem / p_full hold one value per round with a memory."""
+
+    trajectory_id: str = Field(default_factory=lambda: new_id("traj"))
+    rounds: list[Round] = Field(min_length=1)
+    answer_text: str | None = None
+    reward: float = 0.0
+    correct: bool = False
+    format_ok: bool = False
+    p_mem: list[float] = Field(default_factory=list)
+    p_full: list[float] = Field(default_factory=list)
+    num_tokens: int = Field(
+        default=0, ge=0, description="prompt + response tokens the engine processed"
+    )
+
+    @model_validator(mode="after")
+    def _check_rounds(self) -> Trajectory:
+        if [r.index for r in self.rounds] != list(range(len(self.rounds))):
+            raise ValueError("rounds must be indexed 0..R-1 in order")
+        if len(self.p_mem) != len(self.p_full):
+            raise ValueError(
+                f"p_mem has {len(self.p_mem)} values but p_full has {len(self.p_full)}"
+            )
+        with_memory = sum(r.mem_span is not None for r in self.rounds)
+        if self.p_mem and len(self.p_mem) != with_memory:
+            raise ValueError(
+                f"p_mem has {len(self.p_mem)} values for {with_memory} rounds with a memory"
+            )
+        if any(not 0.0 <= p <= 1.0 for p in [*self.p_mem, *self.p_full]):
+            raise ValueError("p_mem and p_full are probabilities in [0, 1]")
+        return self
+
+    @property
+    def memory_rewards(self) -> list[float]:
+        """R_M per round with a memory: P_mem - P_full."""
+        return [m - f for m, f in zip(self.p_mem, self.p_full, strict=True)]
+
+
+class Group(Record):
+    """The n trajectories of one task: the unit the learner trains on."""
+
+    group_id: str
+    task: Task
+    trajectories: list[Trajectory] = Field(min_length=1)
+    policy_version: int = Field(ge=0, description="oldest engine weight version used")
+    scorer_version: str | None = None
+    worker_id: str = "unknown"
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _check_group(self) -> Group:
+        if self.group_id != self.task.group_id:
+            raise ValueError(
+                f"group_id {self.group_id!r} differs from task.group_id {self.task.group_id!r}"
+            )
+        if len(self.trajectories) != self.task.n:
+            raise ValueError(
+                f"the task asks for n={self.task.n} trajectories, the group has {len(self.trajectories)}"
+            )
+        return self
+
+
+def parse_weight_version(value: str | int | None) -> int:
+    """SGLang reports weight_version as a string ("default" before any update): map to an int."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        digits = "".join(ch for ch in str(value) if ch.isdigit())
+        return int(digits) if digits else 0

@@ -1,0 +1,314 @@
+"""What every service's HTTP app shares: errors, limits, auth, health and metrics.
+
+- Domain exceptions (``ServiceError`` subclasses) map to HTTP codes here, in one place.
+- Validation errors are 422 with a ``message`` naming the field; bodies over the limit
+  413; unknown routes 404; an unexpected exception is a 500 without a stack trace.
+- ``require_admin``: admin routes take ``Authorization: Bearer <token>`` when a token is
+  configured (401 when missing, 403 when wrong). Tokens are never logged.
+- ``/health``, ``/ready`` and ``/metrics`` (Prometheus text, one registry per app).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ServiceError(Exception):
+    status_code = 500
+    headers: dict[str, str] | None = None
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if headers:
+            self.headers = headers
+
+
+class BadInput(ServiceError):
+    status_code = 422
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+
+
+class TooLarge(ServiceError):
+    status_code = 413
+
+
+class NotReady(ServiceError):
+    status_code = 503
+
+
+class Overloaded(ServiceError):
+    """The service's queue is full: retry after ``retry_after`` seconds."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after)))})
+
+
+class Upstream(ServiceError):
+    """A service this one depends on failed."""
+
+    status_code = 502
+
+
+class ErrorBody(BaseModel):
+    message: str = Field(description="what was wrong, naming the field for validation errors")
+    detail: Any = None
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_service_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ServiceError)
+        return JSONResponse(
+            ErrorBody(message=exc.message).model_dump(), exc.status_code, headers=exc.headers
+        )
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        detail = [
+            {k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()[:20]
+        ]
+        return JSONResponse(
+            ErrorBody(message=_validation_message(exc), detail=detail).model_dump(), 422
+        )
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return JSONResponse(
+            ErrorBody(message=str(exc.detail)).model_dump(), exc.status_code, headers=exc.headers
+        )
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            ErrorBody(message=f"internal error: {type(exc).__name__}").model_dump(), 500
+        )
+
+    app.add_exception_handler(ServiceError, on_service_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes`` (by Content-Length or as it streams)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = ErrorBody(
+            message=f"request body exceeds the limit of {self.max_bytes} bytes"
+        ).model_dump_json()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body.encode()})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- auth
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def check_admin(request: Request, admin_token: str | None) -> None:
+    """401 without a token, 403 with a wrong one; open when no token is configured."""
+    if not admin_token:
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise Unauthorized("this route needs Authorization: Bearer <admin token>")
+    if not hmac.compare_digest(token.encode(), admin_token.encode()):
+        raise Forbidden("the admin token is wrong")
+
+
+def require_admin(request: Request) -> None:
+    """Dependency for admin routes; the token lives in ``app.state.admin_token``."""
+    check_admin(request, getattr(request.app.state, "admin_token", None))
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def inside_root(path: str, root: str | Path | None) -> Path:
+    """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise)."""
+    resolved = Path(path).expanduser().resolve()
+    if root is None:
+        return resolved
+    root_resolved = Path(root).expanduser().resolve()
+    if resolved != root_resolved and root_resolved not in resolved.parents:
+        raise Forbidden(f"model_path must lie inside the weights root {root_resolved}")
+    return resolved
+
+
+# --------------------------------------------------------------------------- health and metrics
+
+
+class Metrics:
+    """A Prometheus registry per app (no module globals), with request counters."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            f"mempo_{service}_requests_total",
+            "HTTP requests",
+            ["route", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            f"mempo_{service}_request_latency_seconds",
+            "HTTP request latency",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+
+    def counter(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(f"mempo_{self.service}_{what}", doc, list(labels), registry=self.registry)
+
+    def histogram(self, what: str, doc: str, buckets: tuple[float, ...] | None = None) -> Histogram:
+        kwargs: dict[str, Any] = {"buckets": buckets} if buckets else {}
+        return Histogram(f"mempo_{self.service}_{what}", doc, registry=self.registry, **kwargs)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)  # type: ignore[no-any-return]
+
+
+class Health(BaseModel):
+    status: str = "ok"
+    service: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reason: str | None = None
+
+
+def install_common(
+    app: FastAPI,
+    service: str,
+    metrics: Metrics,
+    ready: Callable[[], Awaitable[tuple[bool, str | None]]],
+    max_body_bytes: int,
+    admin_token: str | None,
+) -> None:
+    """Error handlers, body limit, request metrics and the /health, /ready, /metrics routes."""
+    install_error_handlers(app)
+    app.state.admin_token = admin_token or None
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def count_requests(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        metrics.latency.labels(path).observe(time.perf_counter() - started)
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
+    @app.get("/health", response_model=Health, tags=["ops"])
+    async def health() -> Health:
+        """Liveness: the process answers."""
+        return Health(service=service)
+
+    @app.get(
+        "/ready", response_model=Readiness, tags=["ops"], responses={503: {"model": Readiness}}
+    )
+    async def readiness() -> Response:
+        """Readiness: the service can take work (503 with the reason otherwise)."""
+        ok, reason = await ready()
+        return JSONResponse(Readiness(ready=ok, reason=reason).model_dump(), 200 if ok else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
+    async def prometheus() -> Response:
+        """Prometheus text exposition."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,214 @@
+"""A tiny Qwen2 causal LM and its tokenizer, built entirely locally (no hub).
+
+The tokenizer is a byte-level BPE trained on the synthetic world's text with Qwen2's
+exact pipeline (NFC, Qwen2's split regex, ByteLevel without regex), so the ids survive a
+reload by ``AutoTokenizer`` (transformers 5 rebuilds a qwen2 tokenizer's pipeline on
+load). The agent's tags are added as single, non-special tokens (special ones would be
+stripped by ``skip_special_tokens``). The model is a randomly initialised
+``Qwen2ForCausalLM``; both are deterministic from the seeds and saved in HF format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX).
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shape of the tiny policy; the defaults (about 1M parameters) keep tests fast."""
+
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 2048
+    max_positions: int = 8192
+    seed: int = 0
+    world_seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+PRESETS: dict[str, TinyConfig] = {
+    "test": TinyConfig(),
+    "small": TinyConfig(
+        hidden_size=256, layers=4, heads=4, kv_heads=2, intermediate_size=768, vocab_size=3072
+    ),
+}
+
+
+def training_texts(world_seed: int = 0) -> list[str]:
+    """Text the tokenizer learns from: the world's passages, questions and oracle rounds."""
+    from mempo.agent_format import INSTRUCTIONS, format_documents
+    from mempo.bm25 import LocalSearch
+    from mempo.oracle import Oracle
+    from mempo.world import World, WorldConfig
+
+    world = World.generate(WorldConfig(seed=world_seed))
+    search = LocalSearch(world.passages)
+    oracle = Oracle(world)
+    texts = [
+        INSTRUCTIONS,
+        *(p["contents"] for p in world.passages),
+        *(q.text for q in world.questions),
+    ]
+    for k in (1, 3):
+        for questions, _ in world.tasks("train", k, 40, seed=k):
+            for mode in ("memory", "full"):
+                for r in oracle.episode(
+                    questions, lambda q: format_documents(search.retrieve([q], 3)[0]), mode
+                ):
+                    texts.append(r.response)
+                    if r.information:
+                        texts.append(r.information)
+    return texts
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Train the BPE and wrap it as a transformers fast tokenizer."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    from mempo.agent_format import DEFAULT_TAGS
+
+    tok = Tokenizer(
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+        )
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in DEFAULT_TAGS.all_tags()]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny(out_dir: str | Path, config: TinyConfig | None = None) -> Path:
+    """Write tokenizer + randomly initialised Qwen2ForCausalLM (HF format) to ``out_dir``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = config or TinyConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(training_texts(config.world_seed), config.vocab_size)
+    tokenizer.save_pretrained(out)
+    _mark_qwen2(out)
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads,
+        max_position_embeddings=config.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    model = Qwen2ForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    make_world_readable(out)
+    (out / "tiny_config.json").write_text(json.dumps(asdict(config), indent=2))
+    log.info("built tiny model (%d params) in %s", sum(p.numel() for p in model.parameters()), out)
+    return out
+
+
+def _mark_qwen2(out: Path) -> None:
+    """Name the tokenizer class as Qwen2's so SGLang and AutoTokenizer load it the same way."""
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def make_world_readable(directory: Path) -> None:
+    """safetensors files are written 0600; engines in other containers must read them."""
+    for path in [directory, *directory.rglob("*")]:
+        mode = 0o755 if path.is_dir() else 0o644
+        try:
+            os.chmod(path, mode)
+        except OSError as exc:  # pragma: no cover - foreign-owned files
+            log.warning("cannot chmod %s: %s", path, exc)
+
+
+def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path:
+    """The tiny model for ``config`` under ``cache_dir``, built once (atomic rename)."""
+    config = config or TinyConfig()
+    final = Path(cache_dir) / f"tiny-{config.key()}"
+    if (final / "model.safetensors").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
+    try:
+        build_tiny(tmp, config)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEMPO_CACHE", Path.home() / ".cache" / "mempo"))

@@ -1,0 +1,1 @@
+"""MemPO services: one sub-package per deployable service; they share only mempo/."""

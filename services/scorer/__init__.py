@@ -1,0 +1,1 @@
+"""The scorer service."""
