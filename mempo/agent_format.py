@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -345,24 +345,33 @@ def mem_token_span(
 
     ``text`` must be ``tok.decode(response_ids, skip_special_tokens=True)``. Start is the
     first token that reaches into the content, end the first token past it: a token that
-    straddles a boundary belongs to the span. Prefix decodes are binary-searched.
+    straddles a boundary (or holds part of a multi-byte character) belongs to the span.
+    Prefix decodes are binary-searched, so this works for any tokenizer.
     """
     if mem_chars is None:
         return None
     ids = list(response_ids)
-    cache: dict[int, int] = {}
+    cache: dict[int, str] = {}
 
-    def decoded_len(n: int) -> int:
+    def prefix(n: int) -> str:
         if n not in cache:
-            cache[n] = len(tok.decode(ids[:n], skip_special_tokens=True))
+            cache[n] = tok.decode(ids[:n], skip_special_tokens=True)
         return cache[n]
 
-    def first_reaching(offset: int) -> int:
-        """Smallest n with decoded_len(n) >= offset (prefix lengths grow with n)."""
+    # A prefix that ends inside a multi-byte character decodes with a trailing U+FFFD.
+    # "Reached" counts that partial character (its first byte is in), "complete" does not.
+    def reached(n: int) -> int:
+        return len(prefix(n))
+
+    def complete(n: int) -> int:
+        return len(prefix(n).rstrip("\ufffd"))
+
+    def first(length: Callable[[int], int], offset: int) -> int:
+        """Smallest n with length(n) >= offset (prefix lengths grow with n)."""
         lo, hi = 0, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if decoded_len(mid) >= offset:
+            if length(mid) >= offset:
                 hi = mid
             else:
                 lo = mid + 1
@@ -370,8 +379,8 @@ def mem_token_span(
 
     start_char, end_char = mem_chars
     if start_char == end_char:
-        n = first_reaching(start_char)
+        n = first(complete, start_char)
         return (n, n)
-    start = first_reaching(start_char + 1) - 1  # the token holding the first content char
-    end = first_reaching(end_char)  # the token holding the last content char, exclusive end
+    start = first(reached, start_char + 1) - 1  # the token holding the first content byte
+    end = first(complete, end_char)  # one past the token holding the last content byte
     return (max(start, 0), max(end, start))

@@ -1,20 +1,31 @@
 """Numeric array fields for the wire records: token ids and log-probs.
 
 Token ids and log-probs are the bulk of every record. Holding them in numpy (not as
-lists of Python objects) makes the packed Redis form a memcpy plus base64, and hands
-the learner its tensors without a per-element conversion. In plain JSON (HTTP) they
-are ordinary lists; packed (``model_dump_json(context={"pack": True})``) they are
-``{"dtype": "<i4", "b64": "..."}``. Validation accepts either form.
+lists of Python objects) lets them travel as raw bytes and hands the learner its
+tensors without a per-element conversion. Three encodings, all validated back:
+
+- plain JSON lists (HTTP, ``model_dump_json()``);
+- self-contained packed JSON, ``{"dtype": "<i4", "b64": "..."}``
+  (``model_dump_json(context={"pack": True})``);
+- JSON plus a binary sidecar (``dump_with_sidecar`` / ``load_with_sidecar``): each array
+  is ``{"dtype": "<i4", "ref": [offset, count]}`` into one bytes blob, decoded as
+  zero-copy numpy views. The Redis streams use this (benchmarks/queue_throughput.py).
 """
 
 from __future__ import annotations
 
 import binascii
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, SerializationInfo
+from pydantic import (
+    BaseModel,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    SerializationInfo,
+    ValidationInfo,
+)
 from pydantic_core import CoreSchema, core_schema
 
 
@@ -73,9 +84,12 @@ class PackedArray(Sequence[Any]):
         return f"{type(self).__name__}({self.tolist()!r})"
 
     @classmethod
-    def validate(cls, value: Any) -> PackedArray:
+    def validate(cls, value: Any, info: ValidationInfo | None = None) -> PackedArray:
         if isinstance(value, cls):
             return value
+        if isinstance(value, dict) and "ref" in value:
+            sidecar = info.context.get("sidecar") if info is not None and isinstance(info.context, dict) else None
+            return cls.from_sidecar(value, sidecar)
         if isinstance(value, dict):
             return cls.unpack(value)
         if isinstance(value, (list, tuple, np.ndarray)):
@@ -96,6 +110,25 @@ class PackedArray(Sequence[Any]):
         except (binascii.Error, TypeError) as exc:
             raise ValueError(f"packed array is not valid base64 of {cls.dtype}: {exc}") from exc
 
+    @classmethod
+    def from_sidecar(cls, value: dict[str, Any], sidecar: bytes | None) -> PackedArray:
+        if sidecar is None:
+            raise ValueError("a sidecar reference needs the binary sidecar (load_with_sidecar)")
+        ref = value.get("ref")
+        if value.get("dtype") != cls.dtype or not (
+            isinstance(ref, list) and len(ref) == 2 and all(isinstance(x, int) and x >= 0 for x in ref)
+        ):
+            raise ValueError(f'a sidecar array is {{"dtype": "{cls.dtype}", "ref": [offset, count]}}')
+        offset, count = ref
+        itemsize = np.dtype(cls.dtype).itemsize
+        if offset + count * itemsize > len(sidecar):
+            raise ValueError(f"sidecar reference [{offset}, {count}] runs past the {len(sidecar)}-byte sidecar")
+        # The sidecar is written only by dump_with_sidecar from a validated model (the
+        # Redis streams), so its values are not re-checked one by one: a zero-copy view.
+        view = cls.__new__(cls)
+        view._array = np.frombuffer(sidecar, dtype=cls.dtype, count=count, offset=offset)
+        return view
+
     def pack(self) -> dict[str, str]:
         return {
             "dtype": self.dtype,
@@ -103,13 +136,17 @@ class PackedArray(Sequence[Any]):
         }
 
     def _serialize(self, info: SerializationInfo) -> Any:
-        if info.mode_is_json() and isinstance(info.context, dict) and info.context.get("pack"):
-            return self.pack()
+        if info.mode_is_json() and isinstance(info.context, dict):
+            sidecar = info.context.get("sidecar")
+            if isinstance(sidecar, Sidecar):
+                return {"dtype": self.dtype, "ref": [sidecar.add(self._array), len(self)]}
+            if info.context.get("pack"):
+                return self.pack()
         return self.tolist()
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
-        return core_schema.no_info_plain_validator_function(
+        return core_schema.with_info_plain_validator_function(
             cls.validate,
             serialization=core_schema.plain_serializer_function_ser_schema(
                 cls._serialize, info_arg=True, when_used="always"
@@ -147,3 +184,40 @@ class LogProbs(PackedArray):
     def _check(cls, array: np.ndarray) -> None:
         if array.size and not (np.isfinite(array).all() and array.max() <= 0.0):
             raise ValueError("log-probs must be finite and <= 0")
+
+
+class Sidecar:
+    """Collects array bytes during serialisation; offsets are 8-byte aligned."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, array: np.ndarray) -> int:
+        pad = -self.size % 8
+        if pad:
+            self.parts.append(b"\0" * pad)
+            self.size += pad
+        offset = self.size
+        raw = array.tobytes()
+        self.parts.append(raw)
+        self.size += len(raw)
+        return offset
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def dump_with_sidecar(model: BaseModel) -> tuple[str, bytes]:
+    """(JSON with array references, the arrays' bytes)."""
+    sidecar = Sidecar()
+    text = model.model_dump_json(context={"sidecar": sidecar})
+    return text, sidecar.getvalue()
+
+
+def load_with_sidecar(cls: type[M], text: str | bytes, sidecar: bytes) -> M:
+    """Inverse of dump_with_sidecar; the arrays are zero-copy views of ``sidecar``."""
+    return cls.model_validate_json(text, context={"sidecar": sidecar})

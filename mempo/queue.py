@@ -12,6 +12,7 @@ the "burst" mode tests use to drain a stream deterministically.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, Field, ValidationError
 from redis.exceptions import ResponseError
 
+from mempo.arrays import dump_with_sidecar, load_with_sidecar
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
 from mempo.schemas import Group, Task
 
@@ -80,10 +82,16 @@ class RedisQueue:
         if max_deliveries < 1 or claim_idle_ms < 1:
             raise ValueError("max_deliveries and claim_idle_ms must be positive")
         self.redis: Any = redis  # redis-py's async stubs type replies as bytes | str
+        self.raw: Any = _binary_twin(redis)
+        self._last_reclaim: dict[str, float] = {}
         self.keys = keys or Keys()
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
+
+    async def aclose(self) -> None:
+        """Close the binary twin connection (the caller owns ``redis``)."""
+        await self.raw.aclose()
 
     async def ensure_groups(self) -> None:
         """Create both streams and their consumer groups if missing (idempotent)."""
@@ -107,23 +115,34 @@ class RedisQueue:
     async def ack_task(self, entry_id: str) -> None:
         await self._ack(self.keys.tasks, ROLLOUT_GROUP, [entry_id])
 
+    async def renew_task(self, entry_id: str) -> bool:
+        """Reset the idle time of a task this consumer still holds (a lease heartbeat), so a
+        task that takes longer than ``claim_idle_ms`` is not reclaimed while it runs. The
+        delivery count is not incremented (XCLAIM JUSTID). False: another consumer has it."""
+        mine = await self.redis.xpending_range(
+            self.keys.tasks, ROLLOUT_GROUP, min=entry_id, max=entry_id, count=1,
+            consumername=self.consumer,
+        )
+        if not mine:
+            return False
+        await self.redis.xclaim(
+            self.keys.tasks, ROLLOUT_GROUP, self.consumer, 0, [entry_id], justid=True
+        )
+        return True
+
     async def publish_group(self, group: Group) -> str:
-        payload = group.model_dump_json(context={"pack": True})
-        return str(await self.redis.xadd(self.keys.groups, {"data": payload}))
+        """Token arrays travel as raw bytes beside the JSON (mempo.arrays sidecar)."""
+        text, blob = dump_with_sidecar(group)
+        return str(await self.redis.xadd(self.keys.groups, {"data": text, "blob": blob}))
 
     async def claim_groups(self, count: int, block_ms: int | None = 1000) -> list[Delivery[Group]]:
         return await self._claim(self.keys.groups, LEARNER_GROUP, Group, count, block_ms)
 
     async def pending_groups(self, count: int) -> list[Delivery[Group]]:
         """Groups this consumer claimed but never acked (a restart reads them back first)."""
-        reply = await self.redis.xreadgroup(LEARNER_GROUP, self.consumer, {self.keys.groups: "0"}, count=count)
-        out: list[Delivery[Group]] = []
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                delivery = await self._decode(self.keys.groups, LEARNER_GROUP, Group, entry_id, fields)
-                if delivery is not None:
-                    out.append(delivery)
-        return out
+        reply = await self.raw.xreadgroup(LEARNER_GROUP, self.consumer, {self.keys.groups: "0"}, count=count)
+        entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
+        return await self._decode_all(self.keys.groups, LEARNER_GROUP, Group, entries)
 
     async def ack_groups(self, entry_ids: list[str]) -> None:
         await self._ack(self.keys.groups, LEARNER_GROUP, entry_ids)
@@ -133,18 +152,15 @@ class RedisQueue:
         await self.redis.hset(self.keys.failures, entry_id, reason[:2000])
 
     async def dead_letter(
-        self, stream: str, group: str, entry_id: str, data: str, reason: str
+        self, stream: str, group: str, entry_id: str, data: str, reason: str, blob: bytes | None = None
     ) -> None:
         """Move a record to the dead stream with its reason, and ack it where it was."""
+        fields = {"stream": stream, "entry_id": entry_id, "reason": reason, "data": data, "at": str(time.time())}
+        if blob:
+            fields["blob_b64"] = base64.b64encode(blob).decode()
         await self.redis.xadd(
             self.keys.dead,
-            {
-                "stream": stream,
-                "entry_id": entry_id,
-                "reason": reason,
-                "data": data,
-                "at": str(time.time()),
-            },
+            fields,
             maxlen=DEAD_STREAM_MAXLEN,
             approximate=True,
         )
@@ -158,7 +174,7 @@ class RedisQueue:
     async def _ack(self, stream: str, group: str, entry_ids: list[str]) -> None:
         if not entry_ids:
             return
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(stream, group, *entry_ids)
             pipe.xdel(stream, *entry_ids)
             pipe.hdel(self.keys.failures, *entry_ids)
@@ -167,49 +183,70 @@ class RedisQueue:
     async def _claim(
         self, stream: str, group: str, model: type[R], count: int, block_ms: int | None
     ) -> list[Delivery[R]]:
-        # XAUTOCLAIM replies [cursor, entries] on 6.2 and [cursor, entries, deleted] on 7: read [0], [1].
-        reply = await self.redis.xautoclaim(
-            stream,
-            group,
-            self.consumer,
-            min_idle_time=self.claim_idle_ms,
-            start_id="0-0",
-            count=count,
-        )
-        entries: list[tuple[str, dict[str, str] | None]] = list(reply[1])
-        if len(entries) < count:
-            fresh = await self.redis.xreadgroup(
-                group, self.consumer, {stream: ">"}, count=count - len(entries), block=block_ms
+        # Reads go through the binary connection: a group's sidecar is raw bytes.
+        reclaimed: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+        now = time.monotonic()
+        if now - self._last_reclaim.get(stream, -1e9) >= self.claim_idle_ms / 4000:
+            # Nothing can have been idle for claim_idle_ms since a scan a quarter of that ago.
+            self._last_reclaim[stream] = now
+            # XAUTOCLAIM replies [cursor, entries] on 6.2 and [cursor, entries, deleted] on 7: read [1].
+            reply = await self.raw.xautoclaim(
+                stream, group, self.consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count
             )
-            for _, stream_entries in fresh or []:
-                entries.extend(stream_entries)
+            reclaimed = list(reply[1])
+        fresh: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+        if len(reclaimed) < count:
+            new = await self.raw.xreadgroup(
+                group, self.consumer, {stream: ">"}, count=count - len(reclaimed), block=block_ms
+            )
+            fresh = [entry for _, stream_entries in new or [] for entry in stream_entries]
+        return [
+            *await self._decode_all(stream, group, model, reclaimed),
+            *await self._decode_all(stream, group, model, fresh, first_delivery=True),
+        ]
+
+    async def _decode_all(
+        self,
+        stream: str,
+        group: str,
+        model: type[R],
+        entries: list[tuple[bytes, dict[bytes, bytes] | None]],
+        first_delivery: bool = False,
+    ) -> list[Delivery[R]]:
         out: list[Delivery[R]] = []
-        for entry_id, fields in entries:
-            delivery = await self._decode(stream, group, model, entry_id, fields)
+        for raw_id, fields in entries:
+            delivery = await self._decode(stream, group, model, raw_id.decode(), fields, first_delivery)
             if delivery is not None:
                 out.append(delivery)
         return out
 
     async def _decode(
-        self, stream: str, group: str, model: type[R], entry_id: str, fields: dict[str, str] | None
+        self,
+        stream: str,
+        group: str,
+        model: type[R],
+        entry_id: str,
+        fields: dict[bytes, bytes] | None,
+        first_delivery: bool = False,
     ) -> Delivery[R] | None:
         if not fields:  # deleted while pending (Redis 6.2 returns it as nil)
             await self._ack(stream, group, [entry_id])
             return None
-        data = fields.get("data", "")
-        deliveries = await self._deliveries(stream, group, entry_id)
+        data = fields.get(b"data", b"").decode("utf-8", errors="replace")
+        blob = fields.get(b"blob")
+        # A new entry (XREADGROUP ">") is on its first delivery; only reclaimed ones need XPENDING.
+        deliveries = 1 if first_delivery else await self._deliveries(stream, group, entry_id)
         if deliveries > self.max_deliveries:
             last = await self.redis.hget(self.keys.failures, entry_id)
             reason = f"not acknowledged after {deliveries - 1} deliveries (max_deliveries={self.max_deliveries})"
-            await self.dead_letter(
-                stream, group, entry_id, data, reason + (f"; last error: {last}" if last else "")
-            )
+            reason += f"; last error: {last}" if last else ""
+            await self.dead_letter(stream, group, entry_id, data, reason, blob)
             return None
         try:
-            record = model.model_validate_json(data)
+            record = load_with_sidecar(model, data, blob) if blob is not None else model.model_validate_json(data)
         except (ValidationError, ValueError) as exc:
             reason = f"malformed {model.__name__} record: {_first_error(exc)}"
-            await self.dead_letter(stream, group, entry_id, data, reason)
+            await self.dead_letter(stream, group, entry_id, data, reason, blob)
             return None
         return Delivery(entry_id=entry_id, record=record, deliveries=deliveries)
 
@@ -280,6 +317,14 @@ class RedisQueue:
                 self.keys.learner_state,
                 mapping={k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
             )
+
+
+def _binary_twin(redis: aioredis.Redis) -> aioredis.Redis:
+    """A client to the same server that returns bytes (for the binary sidecar)."""
+    pool = redis.connection_pool
+    kwargs = {**pool.connection_kwargs, "decode_responses": False}
+    twin_pool = aioredis.ConnectionPool(connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs)
+    return aioredis.Redis(connection_pool=twin_pool, auto_close_connection_pool=True)
 
 
 def _first_error(exc: Exception) -> str:

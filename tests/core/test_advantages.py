@@ -1,0 +1,119 @@
+"""Advantages: plain-loop references, equivalence over seeds and shapes, hand cases."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from mempo.advantages import grpo_outcome_advantage, memory_advantage, token_advantages
+
+
+def reference_group_norm(values: list[float], ids: list[int], eps: float = 1e-6, norm: bool = True) -> list[float]:
+    """The definition, one group at a time (DESIGN.md section 1)."""
+    out = [0.0] * len(values)
+    for g in set(ids):
+        members = [i for i, x in enumerate(ids) if x == g]
+        xs = [values[i] for i in members]
+        if len(xs) < 2 or max(xs) == min(xs):
+            continue  # size 1 or zero variance: advantage 0
+        mean = sum(xs) / len(xs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+        for i in members:
+            out[i] = (values[i] - mean) / (std + eps) if norm else values[i] - mean
+    return out
+
+
+def reference_token_advantages(
+    seq_adv: list[float], mask: list[list[int]], spans: list[tuple[int, int, int, float]], alpha: float
+) -> list[list[float]]:
+    out = []
+    for n, row in enumerate(mask):
+        values = []
+        for pos, m in enumerate(row):
+            a = seq_adv[n]
+            for seq, start, end, span_adv in spans:
+                if seq == n and start <= pos < end:
+                    a += alpha * span_adv
+            values.append(a * m)
+        out.append(values)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("binary", [True, False])
+def test_grpo_matches_reference(seed: int, binary: bool) -> None:
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 7))]
+    ids = [g for g, size in enumerate(sizes) for _ in range(size)]
+    rng.shuffle(ids)
+    rewards = [float(rng.random() < 0.5) if binary else rng.gauss(0, 2) for _ in ids]
+    for norm in (True, False):
+        got = grpo_outcome_advantage(torch.tensor(rewards), torch.tensor(ids), norm_by_std=norm)
+        want = reference_group_norm(rewards, ids, norm=norm)
+        assert got.tolist() == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_memory_advantage_matches_reference(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    ids = [rng.randint(0, 3) for _ in range(rng.randint(1, 40))]
+    rewards = [rng.uniform(-1, 1) for _ in ids]
+    got = memory_advantage(torch.tensor(rewards), torch.tensor(ids))
+    assert got.tolist() == pytest.approx(reference_group_norm(rewards, ids), abs=1e-5)
+
+
+def test_hand_computed_cases() -> None:
+    # group 0: rewards 1, 0 -> mean 0.5, unbiased std sqrt(0.5) = 0.7071
+    adv = grpo_outcome_advantage(torch.tensor([1.0, 0.0, 1.0, 0.7]), torch.tensor([0, 0, 1, 2]))
+    assert adv[0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
+    assert adv[1].item() == pytest.approx(-0.5 / (math.sqrt(0.5) + 1e-6))
+    assert adv[2].item() == 0.0  # size-1 group
+    assert adv[3].item() == 0.0  # size-1 group
+    # zero variance, including values that do not sum exactly in float
+    same = grpo_outcome_advantage(torch.tensor([0.1, 0.1, 0.1]), torch.tensor([5, 5, 5]))
+    assert same.tolist() == [0.0, 0.0, 0.0]
+    assert memory_advantage(torch.tensor([0.3]), torch.tensor([0])).tolist() == [0.0]
+
+
+def test_shape_errors() -> None:
+    with pytest.raises(ValueError):
+        grpo_outcome_advantage(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError):
+        memory_advantage(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_advantages_match_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    n, length = rng.randint(1, 5), rng.randint(1, 12)
+    mask = [[int(rng.random() < 0.7) for _ in range(length)] for _ in range(n)]
+    seq_adv = [rng.gauss(0, 1) for _ in range(n)]
+    spans = []
+    for _ in range(rng.randint(0, 6)):
+        start = rng.randint(0, length)
+        spans.append((rng.randrange(n), start, rng.randint(start, length), rng.gauss(0, 1)))
+    alpha = rng.choice([0.0, 0.5, 1.0])
+    got = token_advantages(
+        torch.tensor(seq_adv),
+        torch.tensor(mask),
+        torch.tensor([s[0] for s in spans], dtype=torch.long),
+        torch.tensor([s[1] for s in spans], dtype=torch.long),
+        torch.tensor([s[2] for s in spans], dtype=torch.long),
+        torch.tensor([s[3] for s in spans]),
+        alpha=alpha,
+    )
+    want = reference_token_advantages(seq_adv, mask, spans, alpha)
+    assert got.shape == (n, length)
+    for row_got, row_want in zip(got.tolist(), want, strict=True):
+        assert row_got == pytest.approx(row_want, abs=1e-5)
+
+
+def test_memory_advantage_only_inside_span() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    adv = token_advantages(
+        torch.tensor([0.5]), mask, torch.tensor([0]), torch.tensor([3]), torch.tensor([5]), torch.tensor([2.0])
+    )
+    assert adv.tolist() == [[0.0, 0.0, 0.5, 2.5, 2.5, 0.5, 0.5]]

@@ -1,0 +1,110 @@
+"""Shared HTTP behaviour: validation 422 naming the field, 413, auth 401/403, 404, no 500 traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+from mempo.service import AdminDep, Forbidden, Metrics, Overloaded, inside_root, install_common
+
+
+class Body(BaseModel):
+    queries: list[str] = Field(min_length=1)
+
+
+def make_app(token: str | None = "s3cret", ready: bool = True) -> FastAPI:
+    app = FastAPI()
+
+    async def is_ready() -> tuple[bool, str | None]:
+        return ready, None if ready else "index loading"
+
+    install_common(app, "demo", Metrics("demo"), is_ready, max_body_bytes=2048, admin_token=token)
+
+    @app.post("/echo")
+    async def echo(body: Body) -> Body:
+        return body
+
+    @app.post("/admin")
+    async def admin(_: AdminDep) -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.get("/busy")
+    async def busy() -> None:
+        raise Overloaded("queue full", retry_after=2.4)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    return app
+
+
+@pytest.fixture
+async def client() -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=make_app(), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        yield c  # type: ignore[misc]
+
+
+async def test_validation_names_the_field(client: httpx.AsyncClient) -> None:
+    r = await client.post("/echo", json={"queries": []})
+    assert r.status_code == 422 and r.json()["message"].startswith("queries:")
+    r = await client.post("/echo", json={"queries": "x"})
+    assert r.status_code == 422 and "queries" in r.json()["message"]
+    r = await client.post("/echo", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+
+
+async def test_body_limit(client: httpx.AsyncClient) -> None:
+    r = await client.post("/echo", json={"queries": ["x" * 5000]})
+    assert r.status_code == 413 and "2048 bytes" in r.json()["message"]
+
+
+async def test_admin_auth(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/admin")).status_code == 401
+    assert (await client.post("/admin", headers={"Authorization": "Bearer wrong"})).status_code == 403
+    assert (await client.post("/admin", headers={"Authorization": "Basic s3cret"})).status_code == 401
+    assert (await client.post("/admin", headers={"Authorization": "Bearer s3cret"})).json() == {"ok": True}
+
+
+async def test_open_without_token() -> None:
+    transport = httpx.ASGITransport(app=make_app(token=None))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        assert (await c.post("/admin")).status_code == 200
+
+
+async def test_ops_routes(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/health")).json() == {"status": "ok", "service": "demo"}
+    assert (await client.get("/ready")).json()["ready"] is True
+    await client.post("/echo", json={"queries": ["a"]})
+    metrics = (await client.get("/metrics")).text
+    assert 'mempo_demo_requests_total{code="200",route="/echo"} 1.0' in metrics
+    assert (await client.get("/nope")).status_code == 404
+    busy = await client.get("/busy")
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
+
+
+async def test_not_ready() -> None:
+    transport = httpx.ASGITransport(app=make_app(ready=False))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.get("/ready")
+        assert r.status_code == 503 and r.json()["reason"] == "index loading"
+
+
+async def test_unexpected_error_has_no_trace(client: httpx.AsyncClient) -> None:
+    r = await client.get("/boom")
+    assert r.status_code == 500 and r.json() == {"message": "internal error: RuntimeError", "detail": None}
+
+
+def test_inside_root(tmp_path: Path) -> None:
+    (tmp_path / "v1").mkdir()
+    assert inside_root(str(tmp_path / "v1"), tmp_path) == (tmp_path / "v1").resolve()
+    with pytest.raises(Forbidden):
+        inside_root(str(tmp_path / ".." / "elsewhere"), tmp_path)
+    with pytest.raises(Forbidden):
+        inside_root("/etc", tmp_path)
+    assert inside_root("/etc", None) == Path("/etc")

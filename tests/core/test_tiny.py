@@ -1,0 +1,52 @@
+"""The tiny model: ids survive a reload, tags are single tokens, deterministic build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mempo.agent_format import DEFAULT_TAGS
+from mempo.tiny import TinyConfig, training_texts
+
+
+def test_ids_survive_reload(tiny_model_dir: Path, tokenizer: Any) -> None:
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    for text in [*training_texts()[:300], "héllo wörld 1854 — ünïcode\n\n<mem>x</mem>", "  two  spaces\t tab"]:
+        assert tokenizer.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_tags_are_single_non_special_tokens(tokenizer: Any) -> None:
+    for tag in DEFAULT_TAGS.all_tags():
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        assert len(ids) == 1, tag
+        assert tokenizer.decode(ids, skip_special_tokens=True) == tag  # survives skip_special_tokens
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.decode(tokenizer.encode("<|im_end|>", add_special_tokens=False), skip_special_tokens=True) == ""
+
+
+def test_model_loads_and_files_are_readable(tiny_model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "qwen2"
+    assert (tiny_model_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]]))
+    assert out.logits.shape == (1, 3, model.config.vocab_size)
+    assert json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
+
+
+def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    from mempo.tiny import build_tiny
+
+    again = build_tiny(tmp_path / "again", TinyConfig())
+    assert (again / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
+    a, b = load_file(again / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

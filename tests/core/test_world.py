@@ -1,0 +1,115 @@
+"""The synthetic world and its oracle: determinism, split, and exact match 1.0 on real BM25."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mempo.agent_format import format_documents, parse_response
+from mempo.bm25 import LocalSearch
+from mempo.oracle import Oracle
+from mempo.rewards import is_correct
+from mempo.world import RELATIONS, World, WorldConfig
+
+
+def test_same_seed_same_world() -> None:
+    a, b = World.generate(WorldConfig(seed=3)), World.generate(WorldConfig(seed=3))
+    assert a.passages == b.passages and a.questions == b.questions
+    assert World.generate(WorldConfig(seed=4)).passages != a.passages
+
+
+def test_corpus_is_wiki18_style(world: World) -> None:
+    for p in world.passages:
+        assert set(p) == {"id", "contents"}
+        title, body = p["contents"].split("\n", 1)
+        assert re.fullmatch(r'"[A-Z][\w ]+"', title) and body
+    assert len({p["id"] for p in world.passages}) == len(world.passages)
+
+
+def test_split_shares_no_question(world: World) -> None:
+    train = {q.text for q in world.split_questions("train")}
+    test = {q.text for q in world.split_questions("test")}
+    assert train and test and not train & test
+    assert {q.subject for q in world.split_questions("train")}.isdisjoint(q.subject for q in world.split_questions("test"))
+
+
+def test_answers_are_not_in_the_question(world: World) -> None:
+    for q in world.questions:
+        assert all(a.lower() not in q.text.lower() for a in q.answers), q
+    assert {q.hops for q in world.questions} == {1, 2}
+
+
+def test_every_fact_is_stated_in_its_passage(world: World) -> None:
+    by_title = {p["contents"].split("\n")[0].strip('"'): p["contents"] for p in world.passages}
+    for q in world.questions:
+        subject = q.subject
+        for relation in q.relations:
+            value = world.extract(relation, subject, by_title[subject])
+            assert value == world.facts[subject][relation], (q, relation)
+            subject = value
+        assert subject in q.answers
+
+
+def test_tasks(world: World) -> None:
+    tasks = world.tasks("test", 4, 10, seed=1)
+    assert len(tasks) == 10 and tasks == world.tasks("test", 4, 10, seed=1)
+    for questions, answers in tasks:
+        assert len(questions) == len(answers) == 4
+        assert len({world.question(q).subject for q in questions}) == 4  # type: ignore[union-attr]
+    one_hop = world.tasks("train", 2, 5, max_hops=1)
+    assert all(world.question(q).hops == 1 for qs, _ in one_hop for q in qs)  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        World.generate(WorldConfig(people=2, cities=2, orgs=1, countries=1)).tasks("test", 50, 1)
+
+
+@pytest.mark.parametrize("mode", ["memory", "full"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 10])
+def test_oracle_exact_match_with_real_retrieval(world: World, local_search: LocalSearch, mode: str, k: int) -> None:
+    oracle = Oracle(world)
+
+    def search(query: str) -> str:
+        return format_documents(local_search.retrieve([query], 3)[0])
+
+    for questions, answers in world.tasks("test", k, 8, seed=k):
+        rounds = oracle.episode(questions, search, mode=mode)
+        for r in rounds:
+            assert parse_response(r.response, require_memory=mode == "memory").format_ok, r.response
+        final = parse_response(rounds[-1].response, require_memory=mode == "memory")
+        assert final.action == "answer"
+        assert is_correct(final.answer, answers), (questions, answers, final.answer)
+        hops = sum(world.question(q).hops for q in questions)  # type: ignore[union-attr]
+        assert len(rounds) == hops + 1  # one search per hop, then the answer
+
+
+def test_oracle_memory_carries_earlier_findings(world: World, local_search: LocalSearch) -> None:
+    oracle = Oracle(world)
+    questions, answers = world.tasks("test", 3, 1, seed=9)[0]
+    rounds = oracle.episode(questions, lambda q: format_documents(local_search.retrieve([q], 3)[0]))
+    last_memory = parse_response(rounds[-1].response).memory or ""
+    for aliases in answers:
+        assert aliases[0] in last_memory
+
+
+def test_oracle_retries_then_gives_up(world: World) -> None:
+    oracle = Oracle(world)
+    questions, _ = world.tasks("test", 1, 1, seed=2)[0]
+    rounds = oracle.episode(questions, lambda q: "Doc 1(Title: nothing) useless text")
+    queries = [r.query for r in rounds if r.query]
+    spec = world.question(questions[0])
+    assert spec is not None and queries[0] == spec.subject
+    assert queries[1] == f"{spec.subject} {RELATIONS[spec.relations[0]].keyword}"
+    assert parse_response(rounds[-1].response).answer == "unknown"
+
+
+def test_oracle_answers_rendered_prompts(world: World, local_search: LocalSearch, tokenizer: object) -> None:
+    from mempo.agent_format import PreviousRound, memory_prompt_ids
+
+    oracle = Oracle(world)
+    questions, _ = world.tasks("test", 2, 1, seed=4)[0]
+    info = format_documents(local_search.retrieve([world.question(questions[0]).subject], 3)[0])  # type: ignore[union-attr]
+    prev = PreviousRound(memory="Q1: ?; Q2: ?", query=world.question(questions[0]).subject, information=info)  # type: ignore[union-attr]
+    prompt = tokenizer.decode(memory_prompt_ids(tokenizer, questions, prev))  # type: ignore[attr-defined]
+    response = oracle.respond_to_prompt(prompt, "memory")
+    assert response == oracle.respond_memory(questions, prev.memory, prev.query, prev.information)
+    assert "Q1: ?" not in parse_response(response).memory  # type: ignore[operator]
