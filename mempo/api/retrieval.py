@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class RetrieveRequest(BaseModel):
@@ -17,6 +19,13 @@ class RetrieveRequest(BaseModel):
     return_scores: bool = Field(
         default=False, description="wrap each document as {document, score}"
     )
+
+    @field_validator("topk", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # lax int parsing would read true as 1
+            raise ValueError("topk must be an integer or null, not a boolean")
+        return value
 
 
 class Document(BaseModel):
@@ -34,9 +43,14 @@ class RetrieveResponse(BaseModel):
 
 
 class RetrievalInfo(BaseModel):
-    backend: str
-    corpus_size: int
-    index_build_s: float | None = None
-    index_path: str | None = None
-    model: str | None = None
+    backend: str = Field(description="bm25 | dense | hybrid")
+    corpus_size: int = Field(description="passages searched")
+    index_build_s: float | None = Field(default=None, description="seconds the index took to build")
+    index_path: str | None = Field(default=None, description="null: the built-in world, in memory")
+    model: str | None = Field(default=None, description="dense: the query embedding model")
     default_topk: int = 3
+    corpus: str | None = Field(default=None, description="what was indexed")
+    corpus_sha256: str | None = None
+    max_queries: int | None = Field(default=None, description="most queries per request")
+    max_topk: int | None = None
+    max_query_chars: int | None = None

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from mempo.agent_format import format_documents
+from mempo.api.retrieval import RetrievalInfo
 from mempo.retry import Backoff, request
 
 
@@ -55,6 +56,16 @@ class RetrievalClient:
         if not isinstance(result, list) or len(result) != len(queries):
             raise RetrievalError("retrieval: the response has no result list per query")
         return result
+
+    async def info(self) -> RetrievalInfo:
+        """The service's ``GET /v1/info`` (ours only: Search-R1's server has no such route)."""
+        url = self.url.removesuffix("/retrieve") + "/v1/info"
+        response = await request(
+            self.http, "GET", url, attempts=self.attempts, backoff=Backoff(base=0.2, cap=5.0)
+        )
+        if response.status_code >= 400:
+            raise RetrievalError(f"retrieval: HTTP {response.status_code}: {response.text[:300]}")
+        return RetrievalInfo.model_validate(response.json())
 
     async def search(self, query: str, topk: int | None = None) -> str:
         """One query, formatted as the body of the <information> block (Search-R1 style)."""
