@@ -31,6 +31,9 @@ CHAT_TEMPLATE = (
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
+RECIPE_VERSION = 2  # bump when the build recipe changes, so cached models are rebuilt
+
+
 @dataclass(frozen=True)
 class TinyConfig:
     """Shape of the tiny policy; the defaults (about 1M parameters) keep tests fast."""
@@ -46,7 +49,8 @@ class TinyConfig:
     world_seed: int = 0
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = {**asdict(self), "recipe": RECIPE_VERSION}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 PRESETS: dict[str, TinyConfig] = {
@@ -60,12 +64,19 @@ PRESETS: dict[str, TinyConfig] = {
 def training_texts(world_seed: int = 0) -> list[str]:
     """Text the tokenizer learns from: the world's passages, questions and oracle rounds."""
     from mempo.agent_format import INSTRUCTIONS, format_documents
-    from mempo.bm25 import LocalSearch
     from mempo.oracle import Oracle
     from mempo.world import World, WorldConfig
 
     world = World.generate(WorldConfig(seed=world_seed))
-    search = LocalSearch(world.passages)
+    by_title = {p["contents"].split("\n", 1)[0].strip('"'): p for p in world.passages}
+
+    def lookup(query: str) -> str:
+        # Exact title lookup plus two fixed neighbours: independent of any search engine,
+        # so the tokenizer (and the cache key) only change with the world.
+        row = int(by_title[query]["id"]) if query in by_title else 0
+        docs = [world.passages[(row + i) % len(world.passages)] for i in range(3)]
+        return format_documents(docs)
+
     oracle = Oracle(world)
     texts = [
         INSTRUCTIONS,
@@ -75,9 +86,7 @@ def training_texts(world_seed: int = 0) -> list[str]:
     for k in (1, 3):
         for questions, _ in world.tasks("train", k, 40, seed=k):
             for mode in ("memory", "full"):
-                for r in oracle.episode(
-                    questions, lambda q: format_documents(search.retrieve([q], 3)[0]), mode
-                ):
+                for r in oracle.episode(questions, lookup, mode):
                     texts.append(r.response)
                     if r.information:
                         texts.append(r.information)
