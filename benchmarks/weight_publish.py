@@ -1,0 +1,182 @@
+"""Weight publishing: the learner's publish to 2 CPU engines and the scorer vs a plain copy.
+
+A publish is what the learner does after every step: the trainer exports HF safetensors
+to ``weights_root/v{n}/`` (temp dir + rename), ``mempo:policy`` moves, and every
+registered engine and the scorer load the version (``/update_weights_from_disk``, in
+parallel), then old versions are deleted. The engines and the scorer run as separate
+processes, as in a deployment. The baseline, measured in the same run on the same disk,
+is ``shutil.copytree`` of the published folder. Each publish is checked: every
+process's ``/model_info`` must report the new version. Prints one JSON line:
+{"publish_s", "copy_s", "ratio", ...}. Goal: ratio <= 2.
+
+    python benchmarks/weight_publish.py [--preset medium|small|test] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from mempo.keys import Keys
+from mempo.procs import RedisServer, free_port, wait_ready
+from mempo.queue import EngineInfo, RedisQueue, connect
+from mempo.tiny import PRESETS, TinyConfig, default_cache_dir, ensure_tiny
+
+TOKEN = "bench-admin"
+MODELS = {
+    **PRESETS,
+    # ~27M parameters, 108 MB of float32 safetensors
+    "medium": TinyConfig(
+        hidden_size=512, layers=8, heads=8, kv_heads=4, intermediate_size=1536, vocab_size=3072
+    ),
+}
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    handle = log.open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "mempo.cli", *args],
+        env={**os.environ, **env},
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def launch_fleet(stack: ExitStack, model: Path, root: Path, logs: Path) -> list[str]:
+    """Two CPU engines and the scorer as processes; their URLs once all are ready."""
+    urls, procs = [], []
+    for i in range(3):
+        port = free_port()
+        common = ["--port", str(port), "--model-path", str(model), "--weights-root", str(root)]
+        if i < 2:
+            proc = start(
+                ["rollout", "engine", *common],
+                {"MEMPO_ENGINE_ADMIN_TOKEN": TOKEN},
+                logs / f"engine{i}.log",
+            )
+        else:
+            proc = start(
+                ["scorer", "serve", *common, "--device", "cpu"],
+                {"MEMPO_SCORER_ADMIN_TOKEN": TOKEN},
+                logs / "scorer.log",
+            )
+        stack.callback(_stop, proc)
+        urls.append(f"http://127.0.0.1:{port}")
+        procs.append(proc)
+    for url, proc in zip(urls, procs, strict=True):
+        wait_ready(url, timeout_s=300, proc=proc)
+    return urls
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+async def publish_and_copy(
+    publisher: Any, trainer: Any, version: int, urls: list[str], http: httpx.AsyncClient
+) -> dict[str, float]:
+    """One publish, checked on every receiver, then a plain copy of the same folder."""
+    started = time.perf_counter()
+    report = await publisher.publish(trainer, version)
+    elapsed = time.perf_counter() - started
+    if report.stale:
+        raise RuntimeError(f"engines failed to load v{version}: {report.stale}")
+    versions = [(await http.get(f"{u}/model_info")).json()["weight_version"] for u in urls]
+    if versions != [str(version)] * len(urls):
+        raise RuntimeError(f"after publishing v{version} the fleet reports {versions}")
+    target = Path(report.path).with_name(f"copy-{version}")
+    started = time.perf_counter()
+    shutil.copytree(report.path, target)
+    copied = time.perf_counter() - started
+    shutil.rmtree(target)
+    receivers = {f"receiver{i}_s": report.seconds[url] for i, url in enumerate(urls)}
+    return {
+        "publish_s": elapsed,
+        "copy_s": copied,
+        "export_s": report.export_s,
+        "notify_s": report.notify_s,
+        **receivers,
+        "bytes": folder_bytes(Path(report.path)),
+    }
+
+
+async def measure(
+    model: Path, urls: list[str], redis_url: str, root: Path, reps: int
+) -> dict[str, Any]:
+    from services.learner.publish import WeightPublisher
+    from services.learner.trainer import Trainer
+    from services.learner.trainer_config import TrainerConfig
+
+    trainer = Trainer(TrainerConfig(beta_kl=0.0), model)  # no reference copy: only export matters
+    redis = connect(redis_url)
+    queue = RedisQueue(redis, Keys("bench:"))
+    for i, url in enumerate(urls):
+        info = EngineInfo(id=f"p{i}", role="scorer" if i == 2 else "rollout", url=url)
+        await queue.register_engine(info, ttl_s=3600)
+    publisher = WeightPublisher(queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=2)
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            runs = [
+                await publish_and_copy(publisher, trainer, version, urls, http)
+                for version in range(1, reps + 2)
+            ][1:]  # the first publish warms caches: not counted
+    finally:
+        await publisher.aclose()
+        await queue.aclose()
+        await redis.aclose()
+    median = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+    return {
+        "publish_s": round(median["publish_s"], 4),
+        "copy_s": round(median["copy_s"], 4),
+        "ratio": round(median["publish_s"] / median["copy_s"], 3),
+        "export_s": round(median["export_s"], 4),
+        "notify_s": round(median["notify_s"], 4),
+        "engine_s": [round(median["receiver0_s"], 4), round(median["receiver1_s"], 4)],
+        "scorer_s": round(median["receiver2_s"], 4),
+        "bytes": int(median["bytes"]),
+        "params": sum(p.numel() for p in trainer.policy.parameters()),
+        "receivers": len(urls),
+        "reps": reps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(MODELS), default="medium")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = ensure_tiny(default_cache_dir(), MODELS[args.preset])
+    with tempfile.TemporaryDirectory(prefix="mempo-publish-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        root = work / "weights"
+        redis = stack.enter_context(RedisServer(work / "redis"))
+        urls = launch_fleet(stack, model, root, work)
+        result = asyncio.run(measure(model, urls, redis.url, root, args.reps))
+    print(json.dumps({"preset": args.preset, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The learner's main loop: one training step reads top to bottom (DESIGN.md section 3).
+
+    groups -> advantages -> old / reference log-probs -> PPO epochs -> checkpoint
+           -> publish weights -> ack the groups -> metrics -> admit more tasks
+
+Exactly-once training of a group: its ack comes only after the checkpoint that holds
+the step is durable, and that checkpoint records the ids of the groups it trained on.
+A crash before the ack redelivers the groups to the restarted learner, which resumes
+from the checkpoint and drops them as duplicates; a crash before the checkpoint trains
+them again from the previous checkpoint, as if the step never happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from mempo.queue import RedisQueue
+from mempo.schemas import Group
+from services.learner.admission import Admission, TaskSpec, open_source
+from services.learner.consumer import Batch, GroupConsumer, TrainedIds
+from services.learner.publish import PublishReport, WeightPublisher
+from services.learner.settings import LearnerSettings
+from services.learner.state import LearnerState
+from services.learner.telemetry import LearnerMetrics, MetricsJournal
+
+log = logging.getLogger(__name__)
+
+
+class PolicyTrainer(Protocol):
+    """What the loop needs of services/learner/trainer.py's Trainer."""
+
+    step: int
+    version: int
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]: ...
+
+    def save_checkpoint(
+        self, root: Path, trained_group_ids: list[str], extra: dict[str, Any] | None = None
+    ) -> Path: ...
+
+    def export_hf(self, out_dir: Path) -> Path: ...
+
+
+class LearnerLoop:
+    """Consumes groups, trains, checkpoints, publishes; ``open`` builds it from settings."""
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        queue: RedisQueue,
+        trainer: PolicyTrainer,
+        consumer: GroupConsumer,
+        admission: Admission,
+        publisher: WeightPublisher,
+        metrics: LearnerMetrics | None = None,
+    ) -> None:
+        self.settings, self.queue, self.trainer = settings, queue, trainer
+        self.consumer, self.admission, self.publisher = consumer, admission, publisher
+        self.state = consumer.state
+        self.metrics = metrics or LearnerMetrics()
+        self.journal = MetricsJournal(settings.run_dir)
+        self.last_metrics: dict[str, Any] | None = self.journal.last()
+        self.last_publish: PublishReport | None = None
+
+    @classmethod
+    async def open(
+        cls, settings: LearnerSettings, queue: RedisQueue, metrics: LearnerMetrics | None = None
+    ) -> LearnerLoop:
+        """Resume the trainer from the latest checkpoint and re-publish it if engines lag."""
+        from services.learner.batch import validate_group
+        from services.learner.trainer import Trainer
+
+        await queue.ensure_groups()
+        trainer, resumed = await asyncio.to_thread(
+            Trainer.resume,
+            settings.trainer,
+            settings.resolved_model_path(),
+            settings.checkpoints,
+            settings.resolved_device(),
+        )
+        trained = TrainedIds(
+            resumed.trained_group_ids if resumed else (), settings.keep_trained_ids
+        )
+        state = LearnerState(queue)
+        metrics = metrics or LearnerMetrics()
+        consumer = GroupConsumer(
+            queue,
+            state,
+            settings.batch_groups,
+            settings.max_staleness,
+            trained,
+            on_drop=lambda reason: metrics.groups_dropped.labels(reason).inc(),
+            validate=lambda group: validate_group(group, trainer.vocab_size),
+        )
+        source = await asyncio.to_thread(
+            open_source,
+            settings.dataset,
+            settings.questions_per_task,
+            settings.world_seed,
+            settings.task_seed,
+        )
+        spec = TaskSpec(n=settings.group_size, mode=settings.mode, max_rounds=settings.max_rounds)
+        admission = Admission(queue, state, source, spec, settings.capacity, await state.run_id())
+        publisher = WeightPublisher(
+            queue,
+            settings.weights_root,
+            admin_token=settings.engine_token(),
+            timeout_s=settings.publish_timeout_s,
+            keep_versions=settings.keep_versions,
+        )
+        loop = cls(settings, queue, trainer, consumer, admission, publisher, metrics)
+        if resumed:
+            log.info("resumed at step %d, version %d", resumed.step, resumed.version)
+        await loop.catch_up()
+        return loop
+
+    async def aclose(self) -> None:
+        """Close HTTP clients; under torchrun, release the ranks parked in ``follow()``."""
+        await self.publisher.aclose()
+        close = getattr(self.trainer, "close", None)
+        if close is None:
+            return
+        try:
+            await asyncio.to_thread(close)
+        except RuntimeError as exc:  # on SIGTERM torchrun stops every rank: they may be gone
+            log.warning("could not release the other ranks: %s", exc)
+
+    @property
+    def finished(self) -> bool:
+        total = self.settings.total_steps
+        return total > 0 and self.trainer.step >= total
+
+    # ----------------------------------------------------------------- the step
+
+    async def training_step(self, block_ms: int | None = None) -> dict[str, Any] | None:
+        """One MemPO step; None when no full batch arrived within ``block_ms``."""
+        batch = await self.consumer.next_batch(self.trainer.version, block_ms)
+        if batch is None:
+            return None
+        started = time.perf_counter()
+        staleness = batch.staleness(self.trainer.version)
+        # advantages (outcome + memory) -> old / ref log-probs -> PPO epochs -> AdamW step
+        train = await self._train(batch)
+        await asyncio.to_thread(
+            self.trainer.save_checkpoint,
+            self.settings.checkpoints,
+            self.consumer.trained.with_(batch.group_ids),
+        )
+        self.consumer.trained_on(batch)
+        report = await self.publish()
+        await self.consumer.ack(batch)  # only now: the checkpoint holding this step is durable
+        step_s = time.perf_counter() - started
+        record = self._record(batch, {**staleness, **train}, report, step_s)
+        await self.admit()
+        return record
+
+    async def _train(self, batch: Batch) -> dict[str, float]:
+        try:
+            return await asyncio.to_thread(self.trainer.train_step, batch.groups)
+        except Exception as exc:
+            # The groups stay pending: they come back, and die after max_deliveries.
+            await self.consumer.release(batch, f"train_step: {type(exc).__name__}: {exc}")
+            raise
+
+    async def publish(self) -> PublishReport:
+        report = await self.publisher.publish(self.trainer, self.trainer.version)
+        self.last_publish = report
+        self.metrics.publish_seconds.observe(report.total_s)
+        self.metrics.publish_failures.inc(len(report.stale))
+        self.metrics.version.set(report.version)
+        await self.queue.set_state(version=report.version, stale_engines=sorted(report.stale))
+        return report
+
+    def _record(
+        self, batch: Batch, figures: dict[str, float], report: PublishReport, step_s: float
+    ) -> dict[str, Any]:
+        figures = {
+            **figures,
+            "publish_s": report.total_s,
+            "engines_updated": float(len(report.updated)),
+            "engines_stale": float(len(report.stale)),
+            "step_s": step_s,
+        }
+        record = self.journal.write(self.trainer.step, self.trainer.version, figures)
+        self.last_metrics = record
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(step_s)
+        self.metrics.groups_consumed.inc(len(batch.deliveries))
+        self.metrics.staleness.set(figures["staleness_mean"])
+        log.info(
+            "step %d (v%d): reward %.3f, %d groups, %.2fs",
+            self.trainer.step,
+            self.trainer.version,
+            figures.get("reward_mean", float("nan")),
+            len(batch.deliveries),
+            step_s,
+        )
+        return record
+
+    # ----------------------------------------------------------------- around the step
+
+    async def admit(self) -> None:
+        admitted = await self.admission.admit()
+        self.metrics.tasks_admitted.inc(admitted)
+        self.metrics.in_flight.set(await self.admission.in_flight())
+        await self.queue.set_state(step=self.trainer.step, version=self.trainer.version)
+
+    async def catch_up(self) -> None:
+        """On start: drop half-written versions; publish the resumed version if the
+        policy pointer does not hold it yet (a crash between checkpoint and publish)."""
+        await asyncio.to_thread(self.publisher.remove_temp)
+        self.metrics.version.set(self.trainer.version)
+        if self.trainer.version == 0:
+            return  # the engines started from the initial weights
+        policy = await self.queue.get_policy()
+        if (
+            policy is None
+            or policy.version != self.trainer.version
+            or not Path(policy.path).is_dir()
+        ):
+            log.info("publishing resumed version %d (pointer: %s)", self.trainer.version, policy)
+            await self.publish()
+
+    async def run(self, stop: asyncio.Event | None = None, burst: bool = False) -> None:
+        """Train until ``total_steps``, ``stop``, or (burst) until no full batch is left."""
+        stop = stop or asyncio.Event()
+        await self.admit()
+        while not self.finished and not stop.is_set():
+            record = await self.training_step(None if burst else self.settings.poll_ms)
+            if record is None:
+                if burst:
+                    return
+                await self.admit()  # idle: refill places freed by dead-lettered tasks

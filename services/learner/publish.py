@@ -1,0 +1,189 @@
+"""Publishing weights: HF safetensors per version, the policy pointer, every engine told.
+
+1. The trainer exports HF-format weights into a temp dir under the weights root, made
+   world-readable (containers run as other users), renamed to ``v{version}/``: an
+   engine never sees half a version.
+2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
+   an update, loads it before it takes work.
+3. Every live registered engine (rollout engines and the scorer) gets
+   ``POST /update_weights_from_disk`` in parallel, with a timeout and the admin token.
+   One that fails is reported stale and catches up from the pointer; the publish still
+   succeeds for the others.
+4. Versions no longer in use are deleted: older than the last ``keep_versions``, and
+   not the version a stale engine still serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from mempo.clients.engine import EngineClient, EngineError
+from mempo.queue import EngineInfo, RedisQueue
+from mempo.schemas import parse_weight_version
+from mempo.tiny import make_world_readable
+
+log = logging.getLogger(__name__)
+
+_VERSION_DIR = re.compile(r"v(\d+)")
+_TEMP_PREFIX = ".tmp-v"
+
+
+class WeightExporter(Protocol):
+    """The trainer side of a publish: write HF-format weights into ``out_dir``."""
+
+    def export_hf(self, out_dir: Path) -> Path: ...
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    version: int
+    path: str
+    updated: list[str] = field(default_factory=list)
+    """Engine URLs that loaded the version."""
+    stale: dict[str, str] = field(default_factory=dict)
+    """Engine URL -> why its update failed; it catches up from the policy pointer."""
+    removed: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Engine URL -> how long its update call took."""
+    export_s: float = 0.0
+    notify_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.export_s + self.notify_s
+
+
+class WeightPublisher:
+    """Writes versions under ``weights_root`` and pushes them to every live engine."""
+
+    def __init__(
+        self,
+        queue: RedisQueue,
+        weights_root: Path,
+        admin_token: str | None = None,
+        timeout_s: float = 300.0,
+        keep_versions: int = 2,
+        max_parallel: int = 64,
+    ) -> None:
+        if keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1 (the current version)")
+        self.queue = queue
+        self.root = Path(weights_root)
+        self.admin_token = admin_token
+        self.timeout_s = timeout_s
+        self.keep_versions = keep_versions
+        self._parallel = asyncio.Semaphore(max_parallel)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    async def publish(self, exporter: WeightExporter, version: int) -> PublishReport:
+        """Export, point ``mempo:policy`` at it, update every engine, clean up."""
+        started = time.perf_counter()
+        path = await asyncio.to_thread(self.write_version, exporter, version)
+        exported = time.perf_counter()
+        await self.queue.set_policy(version, str(path))
+        engines = await self.queue.list_engines()
+        errors, seconds = await self.notify(engines, path, version)
+        notified = time.perf_counter()
+        in_use = {parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors}
+        removed = await asyncio.to_thread(self.remove_unused, version, in_use)
+        report = PublishReport(
+            version=version,
+            path=str(path),
+            updated=sorted({_base(e.url) for e in engines} - set(errors)),
+            stale=errors,
+            removed=removed,
+            seconds=seconds,
+            export_s=exported - started,
+            notify_s=notified - exported,
+        )
+        if errors:
+            log.warning(
+                "published v%d; %d engines stale: %s", version, len(errors), ", ".join(errors)
+            )
+        log.info(
+            "published v%d to %d engines in %.2fs", version, len(report.updated), report.total_s
+        )
+        return report
+
+    def write_version(self, exporter: WeightExporter, version: int) -> Path:
+        """``v{version}/`` written atomically (temp dir + rename) and world-readable."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)
+        final = self.version_dir(version)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{version}-", dir=self.root))
+        try:
+            exporter.export_hf(tmp)
+            make_world_readable(tmp)
+            if final.exists():  # re-publishing after a resume: replace the old copy
+                shutil.rmtree(final)
+            tmp.rename(final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    async def notify(
+        self, engines: list[EngineInfo], path: Path, version: int
+    ) -> tuple[dict[str, str], dict[str, float]]:
+        """Update every engine (each URL once) in parallel: (URL -> error of those that
+        failed, URL -> seconds of each call)."""
+        urls = sorted({_base(e.url) for e in engines})
+        results = await asyncio.gather(*(self._update(url, path, version) for url in urls))
+        errors = {url: error for url, (error, _) in zip(urls, results, strict=True) if error}
+        return errors, {url: took for url, (_, took) in zip(urls, results, strict=True)}
+
+    async def _update(self, url: str, path: Path, version: int) -> tuple[str | None, float]:
+        client = EngineClient(url, admin_token=self.admin_token, client=self.http)
+        async with self._parallel:
+            started = time.perf_counter()
+            try:
+                reply = await asyncio.wait_for(
+                    client.update_weights_from_disk(str(path), str(version)), self.timeout_s
+                )
+                error = None if reply.success else (reply.message or "success=false")
+            except (EngineError, httpx.HTTPError, TimeoutError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        return (error[:500] if error else None), time.perf_counter() - started
+
+    def remove_unused(self, version: int, in_use: set[int]) -> list[int]:
+        """Delete versions older than the last ``keep_versions`` that no engine serves."""
+        keep = set(range(version - self.keep_versions + 1, version + 1)) | in_use
+        removed = []
+        for number in self.versions():
+            if number < version and number not in keep:
+                shutil.rmtree(self.version_dir(number), ignore_errors=True)
+                removed.append(number)
+        return removed
+
+    def versions(self) -> list[int]:
+        """The versions present under the weights root, ascending."""
+        if not self.root.is_dir():
+            return []
+        found = (_VERSION_DIR.fullmatch(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def remove_temp(self) -> None:
+        """Drop half-written versions a crash left behind (call once at start)."""
+        if self.root.is_dir():
+            for path in self.root.glob(f"{_TEMP_PREFIX}*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _base(url: str) -> str:
+    return url.rstrip("/")

@@ -1,0 +1,169 @@
+"""Learner service settings: env prefix ``MEMPO_LEARNER_`` (trainer: ``MEMPO_LEARNER_TRAINER__LR``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from mempo.keys import Keys
+from mempo.schemas import Mode
+from mempo.settings import ServiceSettings
+from services.learner.trainer_config import TrainerConfig
+
+
+class LearnerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="MEMPO_LEARNER_")
+
+    port: int = Field(default=8004, ge=0, le=65535)
+    """TCP port of the status API."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the task and group streams, the policy pointer and the engine registry."""
+
+    key_prefix: str = "mempo:"
+    """Prefix of every Redis key, so several runs can share one Redis."""
+
+    consumer_name: str = "learner-0"
+    """Consumer name on the group stream; keep it stable so a restart reads back its pending groups."""
+
+    model_path: str | None = None
+    """Initial policy (HF folder). Unset: the tiny local model (built on first use)."""
+
+    device: str = "auto"
+    """Torch device of the trainer: cpu, cuda, cuda:1 ... ; auto picks cuda when available."""
+
+    run_dir: Path = Path("runs/learner")
+    """Run folder: metrics.jsonl, and checkpoints unless checkpoint_dir is set."""
+
+    checkpoint_dir: Path | None = None
+    """Checkpoints (atomic, keep_last retention). Unset: run_dir/checkpoints."""
+
+    weights_root: Path = Path("runs/weights")
+    """Published versions live here as v{version}/ (HF safetensors); shared with every engine."""
+
+    dataset: str = "world"
+    """Task source: "world" (the synthetic world, train split) or a Search-R1 / FlashRAG file."""
+
+    world_seed: int = 0
+    """Seed of the synthetic world (must match the retrieval service's corpus)."""
+
+    task_seed: int = 0
+    """Seed of task composition; task i is the same on every restart."""
+
+    questions_per_task: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [1])
+    """k, questions per task: "2", a list "1,2,4" or a range "1-3" (each task draws one)."""
+
+    group_size: int = Field(default=4, ge=1, le=1024)
+    """n, rollouts per task (one GRPO group)."""
+
+    mode: Mode = "memory"
+    """memory (MemPO) or full (full-history baseline)."""
+
+    max_rounds: int = Field(default=8, ge=1, le=256)
+    """Rounds per episode before it is cut off."""
+
+    batch_groups: int = Field(default=4, ge=1)
+    """Groups per training step."""
+
+    max_staleness: int = Field(default=0, ge=0)
+    """Versions a group may lag the learner; 0 is fully on-policy. In flight: (this + 1) * batch_groups."""
+
+    total_steps: int = Field(default=0, ge=0)
+    """Stop after this many steps (counted across restarts); 0 trains forever."""
+
+    engine_admin_token: SecretStr | None = None
+    """Bearer token of the engines' and scorer's admin routes. Unset: admin_token."""
+
+    publish_timeout_s: float = Field(default=300.0, gt=0)
+    """Timeout of one engine's weight update."""
+
+    keep_versions: int = Field(default=2, ge=1)
+    """Published versions kept on disk (older ones are deleted unless an engine still serves them)."""
+
+    claim_idle_ms: int = Field(default=60_000, ge=1)
+    """A group pending this long in a dead consumer is taken over."""
+
+    max_deliveries: int = Field(default=3, ge=1)
+    """A group delivered this many times without being trained goes to the dead stream."""
+
+    poll_ms: int = Field(default=1000, ge=1)
+    """How long one claim of the group stream blocks (the loop checks for shutdown between)."""
+
+    keep_trained_ids: int = Field(default=100_000, ge=1)
+    """Trained group ids remembered (and checkpointed) to drop duplicates."""
+
+    exit_on_error: bool = False
+    """End the process when the loop fails, so a supervisor restarts it from the latest checkpoint."""
+
+    drain_s: float = Field(default=60.0, ge=0)
+    """On shutdown, how long the running step may take to finish before it is cancelled."""
+
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The PPO trainer's configuration (services/learner/trainer_config.py)."""
+
+    @field_validator("questions_per_task", mode="before")
+    @classmethod
+    def _parse_ks(cls, value: Any) -> Any:
+        return parse_ks(value) if isinstance(value, (str, int)) else value
+
+    @field_validator("questions_per_task")
+    @classmethod
+    def _check_ks(cls, value: list[int]) -> list[int]:
+        if not value or min(value) < 1 or max(value) > 64:
+            raise ValueError("questions_per_task needs integers between 1 and 64")
+        return value
+
+    @model_validator(mode="after")
+    def _check_prefix(self) -> LearnerSettings:
+        Keys(self.key_prefix)  # raises on an invalid prefix
+        return self
+
+    @property
+    def capacity(self) -> int:
+        """The in-flight bound: (max_staleness + 1) * batch_groups."""
+        return (self.max_staleness + 1) * self.batch_groups
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.checkpoint_dir or self.run_dir / "checkpoints"
+
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    def engine_token(self) -> str | None:
+        token = self.engine_admin_token or self.admin_token
+        return token.get_secret_value() if token else None
+
+    def resolved_model_path(self) -> str:
+        if self.model_path:
+            return self.model_path
+        from mempo.tiny import default_cache_dir, ensure_tiny
+
+        return str(ensure_tiny(default_cache_dir()))
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_ks(value: str | int) -> list[int]:
+    """ "2" -> [2]; "1,2,4" -> [1, 2, 4]; "1-3" -> [1, 2, 3]."""
+    text = str(value).strip()
+    if match := re.fullmatch(r"(\d+)\s*-\s*(\d+)", text):
+        low, high = int(match.group(1)), int(match.group(2))
+        if low > high:
+            raise ValueError(f"questions_per_task range {text!r} is empty")
+        return list(range(low, high + 1))
+    try:
+        return [int(part) for part in text.strip("[]").split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"questions_per_task {text!r} is not k, a list k1,k2 or a range a-b"
+        ) from None

@@ -1,0 +1,69 @@
+"""The learner's persisted counters, in the learner state hash (``mempo:learner:state``).
+
+Counters are incremented atomically (HINCRBY), so a restart resumes the counts and
+the admission bound keeps holding across it (AReaL's staleness bound broke on resume,
+AReaL#1388). ``run_id`` names this run's tasks: task ``i`` of a run always has the
+same ids, so one admitted twice around a crash is dropped downstream as a duplicate.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from mempo.queue import RedisQueue
+
+DropReason = Literal["duplicate", "stale"]
+_COUNTERS = ("admitted", "consumed", "dropped_duplicate", "dropped_stale")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Tasks admitted, groups trained on, groups dropped (duplicate / stale)."""
+
+    admitted: int = 0
+    consumed: int = 0
+    dropped_duplicate: int = 0
+    dropped_stale: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Admitted tasks whose group is not trained on or dropped yet.
+
+        Duplicates are not subtracted: a duplicate is a second group of a task already
+        counted once (a worker died between pushing the group and acking the task).
+        """
+        return self.admitted - self.consumed - self.dropped_stale
+
+
+class LearnerState:
+    """Read and update the learner state hash through the queue's Redis connection."""
+
+    def __init__(self, queue: RedisQueue) -> None:
+        self.queue = queue
+        self.key = queue.keys.learner_state
+
+    async def counts(self) -> Counts:
+        raw = await self.queue.get_state()
+        return Counts(**{name: int(raw.get(name, 0)) for name in _COUNTERS})
+
+    async def add(self, **deltas: int) -> None:
+        """Atomically add to counters, e.g. ``add(consumed=4)``."""
+        unknown = set(deltas) - set(_COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}")
+        async with self.queue.redis.pipeline(transaction=True) as pipe:
+            for name, delta in deltas.items():
+                if delta:
+                    pipe.hincrby(self.key, name, delta)
+            await pipe.execute()
+
+    async def count_dropped(self, reason: DropReason, n: int = 1) -> None:
+        await self.add(**{f"dropped_{reason}": n})
+
+    async def run_id(self) -> str:
+        """This run's id, created on first start and kept across restarts."""
+        candidate = f"run-{uuid.uuid4().hex[:12]}"
+        await self.queue.redis.hsetnx(self.key, "run_id", candidate)
+        return str(await self.queue.redis.hget(self.key, "run_id"))

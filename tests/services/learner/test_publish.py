@@ -1,0 +1,192 @@
+"""Weight publishing: versions on disk, the policy pointer, every engine and the scorer."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mempo.keys import Keys
+from mempo.procs import free_port
+from mempo.queue import EngineInfo, RedisQueue
+from services.learner.publish import WeightPublisher
+from tests.services.learner.service_support import StandInEngine, serving
+
+TOKEN = "admin-secret"
+
+
+class CopyExporter:
+    """Exports a fixed HF folder (the tiny model), as the trainer's export_hf would."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.exports = 0
+
+    def export_hf(self, out_dir: Path) -> Path:
+        self.exports += 1
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(self.source / name, out_dir / name)
+        (out_dir / "model.safetensors").chmod(0o600)  # as safetensors saves it
+        return out_dir
+
+
+class BrokenExporter:
+    def export_hf(self, out_dir: Path) -> Path:
+        (out_dir / "half.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+
+@pytest.fixture
+def engines() -> Iterator[list[StandInEngine]]:
+    fleet = [
+        StandInEngine("engine-a", admin_token=TOKEN),
+        StandInEngine("engine-b", admin_token=TOKEN),
+        StandInEngine("scorer", admin_token=TOKEN),
+    ]
+    with serving([e.app() for e in fleet]) as urls:
+        for engine, url in zip(fleet, urls, strict=True):
+            engine.url = url
+        yield fleet
+
+
+async def _register(queue: RedisQueue, fleet: list[StandInEngine]) -> None:
+    for engine in fleet:
+        role = "scorer" if engine.name == "scorer" else "rollout"
+        await queue.register_engine(EngineInfo(id=engine.name, role=role, url=engine.url))
+
+
+async def test_a_publish_reaches_two_engines_and_the_scorer(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines)
+    publisher = WeightPublisher(queue, tmp_path / "weights", admin_token=TOKEN, timeout_s=30)
+    try:
+        report = await publisher.publish(CopyExporter(tiny_model_dir), version=1)
+    finally:
+        await publisher.aclose()
+    path = tmp_path / "weights" / "v1"
+    assert report.path == str(path) and report.stale == {}
+    assert report.updated == sorted(e.url for e in engines)
+    for engine in engines:
+        assert engine.calls == [
+            {
+                "model_path": str(path),
+                "weight_version": "1",
+                "abort_all_requests": False,
+                "authorization": f"Bearer {TOKEN}",
+            }
+        ]
+    policy = await queue.get_policy()
+    assert policy is not None and (policy.version, policy.path) == (1, str(path))
+    mode = (path / "model.safetensors").stat().st_mode
+    assert mode & stat.S_IROTH and (path.stat().st_mode & stat.S_IXOTH)  # world-readable
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v1"]  # no temp dir left
+    assert report.total_s >= report.export_s > 0
+
+
+async def test_a_failing_engine_is_stale_and_the_others_are_updated(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    engines[1].fail = True
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines)
+    dead_url = f"http://127.0.0.1:{free_port()}"  # registered, but nothing listens
+    await queue.register_engine(EngineInfo(id="gone", url=dead_url))
+    await queue.register_engine(EngineInfo(id="twin", url=engines[0].url + "/"))  # same engine
+    publisher = WeightPublisher(queue, tmp_path / "w", admin_token=TOKEN, timeout_s=10)
+    try:
+        report = await publisher.publish(CopyExporter(tiny_model_dir), version=3)
+    finally:
+        await publisher.aclose()
+    assert sorted(report.stale) == sorted([engines[1].url, dead_url])
+    assert "cannot load" in report.stale[engines[1].url]
+    assert "Connect" in report.stale[dead_url]
+    assert report.updated == sorted([engines[0].url, engines[2].url])
+    assert len(engines[0].calls) == 1  # two registrations of one URL: one update
+    assert engines[0].weight_version == engines[2].weight_version == "3"
+    assert (await queue.get_policy()).version == 3  # type: ignore[union-attr]
+
+
+async def test_a_wrong_admin_token_leaves_the_engine_stale(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines[:1])
+    publisher = WeightPublisher(queue, tmp_path / "w", admin_token="wrong", timeout_s=10)
+    try:
+        report = await publisher.publish(CopyExporter(tiny_model_dir), version=1)
+    finally:
+        await publisher.aclose()
+    assert "403" in report.stale[engines[0].url] and report.updated == []
+
+
+async def test_old_versions_are_removed_unless_an_engine_serves_them(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines[:1])
+    publisher = WeightPublisher(queue, tmp_path / "w", admin_token=TOKEN, keep_versions=2)
+    exporter = CopyExporter(tiny_model_dir)
+    try:
+        for version in (1, 2, 3):
+            await publisher.publish(exporter, version)
+        assert publisher.versions() == [2, 3]
+        # engine-b failed to load anything after v2 and still serves it
+        engines[1].fail = True
+        await queue.register_engine(
+            EngineInfo(id="engine-b", url=engines[1].url, weight_version="2")
+        )
+        report = await publisher.publish(exporter, 4)
+        assert report.removed == [] and publisher.versions() == [2, 3, 4]
+        engines[1].fail = False
+        report = await publisher.publish(exporter, 5)
+        assert report.removed == [2, 3] and publisher.versions() == [4, 5]
+    finally:
+        await publisher.aclose()
+
+
+async def test_a_failed_export_publishes_nothing(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines)
+    root = tmp_path / "w"
+    publisher = WeightPublisher(queue, root, admin_token=TOKEN)
+    try:
+        await publisher.publish(CopyExporter(tiny_model_dir), 1)
+        with pytest.raises(OSError, match="disk full"):
+            await publisher.publish(BrokenExporter(), 2)
+        assert publisher.versions() == [1] and [p.name for p in root.iterdir()] == ["v1"]
+        assert (await queue.get_policy()).version == 1  # type: ignore[union-attr]
+        assert all(len(e.calls) == 1 for e in engines)
+        (root / ".tmp-v7-crashed").mkdir()  # what a killed process leaves behind
+        publisher.remove_temp()
+        assert [p.name for p in root.iterdir()] == ["v1"]
+        await publisher.publish(CopyExporter(tiny_model_dir), 1)  # a republish replaces it
+        assert (root / "v1" / "model.safetensors").exists()
+    finally:
+        await publisher.aclose()

@@ -1,0 +1,142 @@
+"""The learner's HTTP service: status, readiness, metrics, the loop in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mempo.api.learner import LearnerStatus
+from mempo.keys import Keys
+from mempo.procs import RedisServer, free_port
+from mempo.queue import EngineInfo, RedisQueue
+from services.learner.app import create_app
+from services.learner.settings import LearnerSettings
+from tests.services.learner.service_support import StandInEngine, serving
+from tests.services.learner.test_service_loop import learner_settings, roll_out
+
+
+@asynccontextmanager
+async def running(settings: LearnerSettings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://learner") as client:
+            yield client
+
+
+async def wait_for(client: httpx.AsyncClient, done: Any, timeout_s: float = 90.0) -> LearnerStatus:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = LearnerStatus.model_validate((await client.get("/v1/status")).json())
+        if done(status):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"status never got there: {status}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[StandInEngine]]:
+    fleet = [StandInEngine("engine-a"), StandInEngine("engine-b"), StandInEngine("scorer")]
+    with serving([e.app() for e in fleet]) as urls:
+        for engine, url in zip(fleet, urls, strict=True):
+            engine.url = url
+        yield fleet
+
+
+async def test_the_service_trains_and_reports_its_status(
+    redis_url: str,
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    for engine in engines:
+        role = "scorer" if engine.name == "scorer" else "rollout"
+        await queue.register_engine(
+            EngineInfo(id=engine.name, role=role, url=engine.url), ttl_s=120
+        )
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, total_steps=2)
+    async with running(settings) as client:
+        assert (await client.get("/health")).json() == {"status": "ok", "service": "learner"}
+        await wait_for(client, lambda s: s.state == "training" and s.admitted == 2)
+        assert (await client.get("/ready")).status_code == 200
+        for version in range(2):  # a rollout worker following the policy pointer
+            await wait_for(
+                client, lambda s, v=version: s.consumed == 2 * v and s.admitted == 2 * v + 2
+            )
+            await roll_out(queue, version)
+        status = await wait_for(client, lambda s: s.state == "finished")
+        metrics = (await client.get("/metrics")).text
+    assert status.step == status.version == 2
+    assert (status.admitted, status.consumed, status.in_flight, status.capacity) == (6, 4, 2, 2)
+    assert status.dropped.model_dump() == {"duplicate": 0, "stale": 0}
+    assert status.last_publish is not None and status.last_publish.version == 2
+    assert status.last_publish.updated == sorted(e.url for e in engines)
+    assert status.last_metrics is not None and status.last_metrics["step"] == 2
+    assert "reward_mean" in status.last_metrics and status.error is None
+    assert [c["weight_version"] for c in engines[2].calls] == ["1", "2"]  # the scorer too
+    assert "mempo_learner_steps_total 2.0" in metrics
+    assert "mempo_learner_policy_version 2.0" in metrics
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    await queue.aclose()
+
+
+async def test_a_failed_loop_shows_in_ready_and_status(
+    redis_url: str, keys: Keys, tmp_path: Path
+) -> None:
+    settings = learner_settings(redis_url, keys, tmp_path, tmp_path / "no-such-model")
+    async with running(settings) as client:
+        status = await wait_for(client, lambda s: s.state == "failed")
+        ready = await client.get("/ready")
+        wrong = await client.post("/v1/status")
+        missing = await client.get("/v1/nothing")
+    assert status.error and "no-such-model" in status.error
+    assert ready.status_code == 503 and "failed" in ready.json()["reason"]
+    assert wrong.status_code == 405 and missing.status_code == 404
+
+
+async def test_status_of_a_restarted_learner_resumes_its_counts(
+    redis_url: str, redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, total_steps=1)
+    async with running(settings) as client:
+        await wait_for(client, lambda s: s.admitted == 2)
+        await roll_out(queue, 0)
+        await wait_for(client, lambda s: s.state == "finished")
+    async with running(settings) as client:  # total_steps reached: resumes and stops at once
+        status = await wait_for(client, lambda s: s.state == "finished")
+    assert (status.step, status.admitted, status.consumed, status.in_flight) == (1, 4, 2, 2)
+    assert (
+        status.last_metrics is not None and status.last_metrics["step"] == 1
+    )  # from metrics.jsonl
+    await queue.aclose()
+
+
+async def test_the_loop_waits_for_redis_with_backoff(
+    keys: Keys, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    settings = learner_settings(url, keys, tmp_path, tiny_model_dir)
+    async with running(settings) as client:
+        await asyncio.sleep(1.0)
+        status, ready = await client.get("/v1/status"), await client.get("/ready")
+        assert status.status_code == 503 and "Redis unreachable" in status.json()["message"]
+        assert ready.status_code == 503
+        with RedisServer(tmp_path / "late-redis", port=port):
+            final = await wait_for(client, lambda s: s.state == "training" and s.admitted == 2)
+            assert (await client.get("/ready")).status_code == 200
+    assert final.error is None
