@@ -8,22 +8,35 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     max_new_tokens: int = Field(default=128, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, description="-1: no top-k")
+    top_k: int = Field(default=-1, ge=-1, description="-1: no top-k")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=1024)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
     sampling_seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list without empty strings."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
 
 
 class GenerateRequest(BaseModel):
@@ -58,8 +71,13 @@ class MetaInfo(BaseModel):
     completion_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str = "default"
-    output_token_logprobs: list[list[Any]] | None = None
-    input_token_logprobs: list[list[Any]] | None = None
+    e2e_latency: float | None = None
+    output_token_logprobs: list[list[Any]] | None = Field(
+        default=None, description="[logprob, token_id, null] per output token"
+    )
+    input_token_logprobs: list[list[Any]] | None = Field(
+        default=None, description="from logprob_start_len; entry 0 has a null logprob"
+    )
 
 
 class GenerateResponse(BaseModel):
@@ -96,10 +114,37 @@ class ModelInfo(BaseModel):
     weight_version: str = "default"
 
 
+class ServerInfo(BaseModel):
+    """``GET /server_info``: SGLang returns every server argument; these are the ones we read."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str = ""
+    tokenizer_path: str | None = None
+    context_length: int | None = None
+    max_batch_size: int | None = None
+    weight_version: str = "default"
+    version: str = ""
+    internal_states: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    torch_empty_cache: bool = False
+
+
+class ControlResponse(BaseModel):
+    """The answer of ``/pause_generation`` and ``/continue_generation``."""
+
+    message: str
+    status: str = "ok"
 
 
 class AbortRequest(BaseModel):

@@ -6,6 +6,8 @@
 - Tolerates SGLang 0.5.x route renames (``/model_info`` vs ``/get_model_info``) and
   response shapes (a list for n > 1 or a batch).
 - Admin calls (weight updates, flush, pause) carry the admin bearer token.
+- Retries (STYLE.md rule 7): connection errors, 5xx and 429, with capped backoff; a 4xx is
+  raised at once as ``EngineError`` (``ContextExceeded`` when the prompt does not fit).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import httpx
 
 from mempo.api.engine import GenerateResponse, ModelInfo, UpdateWeightsResponse
-from mempo.retry import Backoff, request
+from mempo.retry import Backoff, RetryableStatus, request
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,41 @@ class EngineError(Exception):
     def __init__(self, message: str, status_code: int | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class ContextExceeded(EngineError):
+    """400: prompt (+ max_new_tokens) longer than the engine's context (SGLang's wording)."""
+
+
+_CONTEXT_PHRASES = ("context length", "longer than the model")
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of SGLang's error bodies ({"error": {"message"}}, {"error": str},
+    {"message"}) or of ours ({"message"}); the raw text otherwise."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "message" in body:
+            return str(body["message"])
+    return response.text[:500]
+
+
+def raise_for_engine(path: str, response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    message = _error_message(response)
+    text = f"{path}: HTTP {response.status_code}: {message}"
+    if response.status_code == 400 and any(p in message.lower() for p in _CONTEXT_PHRASES):
+        raise ContextExceeded(text, 400)
+    raise EngineError(text, response.status_code)
 
 
 @dataclass(frozen=True)
@@ -42,6 +79,8 @@ class Generation:
     matched: int | str | None
     weight_version: str
     prompt_tokens: int
+    rid: str = ""
+    input_logprobs: list[float | None] | None = None  # when logprob_start_len >= 0
 
 
 def parse_generation(raw: dict[str, Any]) -> Generation:
@@ -61,6 +100,7 @@ def parse_generation(raw: dict[str, Any]) -> Generation:
     if entries and len(entries) != len(resp.output_ids):
         raise EngineError(f"{len(entries)} output logprobs for {len(resp.output_ids)} output ids")
     logprobs = [float(e[0]) if e and e[0] is not None else 0.0 for e in entries]
+    inputs = meta.input_token_logprobs
     return Generation(
         output_ids=list(resp.output_ids),
         logprobs=logprobs,
@@ -69,6 +109,8 @@ def parse_generation(raw: dict[str, Any]) -> Generation:
         matched=matched,
         weight_version=str(meta.weight_version),
         prompt_tokens=meta.prompt_tokens,
+        rid=meta.id,
+        input_logprobs=None if inputs is None else [e[0] if e else None for e in inputs],
     )
 
 
@@ -81,10 +123,14 @@ class EngineClient:
         timeout_s: float = 600.0,
         attempts: int = 3,
         client: httpx.AsyncClient | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 5.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.admin_token = admin_token
         self.attempts = attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._own_client = client is None
         self.http = client or httpx.AsyncClient(
@@ -106,22 +152,37 @@ class EngineClient:
     def _admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
+    def _backoff(self) -> Backoff:
+        return Backoff(base=self.backoff_base_s, cap=self.backoff_cap_s)
+
+    async def _send(
+        self, method: str, path: str, attempts: int | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One call with retries; 5xx/429 still failing after the last attempt -> EngineError."""
+        try:
+            return await request(
+                self.http,
+                method,
+                f"{self.base_url}{path}",
+                attempts=attempts or self.attempts,
+                backoff=self._backoff(),
+                **kwargs,
+            )
+        except RetryableStatus as exc:
+            raise EngineError(
+                f"{path}: HTTP {exc.response.status_code}: {_error_message(exc.response)}",
+                exc.response.status_code,
+            ) from exc
+
+    async def _get(self, path: str) -> httpx.Response:
+        return await self._send("GET", path)
+
     async def _post(
         self, path: str, body: dict[str, Any], admin: bool = False, attempts: int | None = None
     ) -> Any:
-        response = await request(
-            self.http,
-            "POST",
-            f"{self.base_url}{path}",
-            json=body,
-            headers=self._admin_headers() if admin else None,
-            attempts=attempts or self.attempts,
-            backoff=Backoff(base=0.5, cap=5.0),
-        )
-        if response.status_code >= 400:
-            raise EngineError(
-                f"{path}: HTTP {response.status_code}: {response.text[:500]}", response.status_code
-            )
+        headers = self._admin_headers() if admin else None
+        response = await self._send("POST", path, attempts, json=body, headers=headers)
+        raise_for_engine(path, response)
         try:
             return response.json()
         except ValueError:
@@ -133,8 +194,12 @@ class EngineClient:
         sampling_params: dict[str, Any],
         return_logprob: bool = True,
         rid: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> list[Generation]:
-        """Sample from one prompt; ``sampling_params["n"]`` > 1 gives n samples."""
+        """Sample from one prompt; ``sampling_params["n"]`` > 1 gives n samples.
+
+        ``logprob_start_len`` >= 0 also returns the prompt's log-probs from there
+        (``Generation.input_logprobs``, entry 0 None, as SGLang)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -142,6 +207,8 @@ class EngineClient:
         }
         if rid:
             body["rid"] = rid
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
         raw = await self._post("/generate", body)
         items = raw if isinstance(raw, list) else [raw]
         try:
@@ -150,26 +217,22 @@ class EngineClient:
             raise EngineError(f"unreadable /generate response: {exc}") from exc
 
     async def model_info(self) -> ModelInfo:
+        """``/model_info`` (SGLang >= 0.5.x), else the older ``/get_model_info``."""
         for path in ("/model_info", "/get_model_info"):
-            response = await request(
-                self.http, "GET", f"{self.base_url}{path}", attempts=self.attempts
-            )
+            response = await self._get(path)
             if response.status_code == 404:
                 continue
-            if response.status_code >= 400:
-                raise EngineError(f"{path}: HTTP {response.status_code}", response.status_code)
+            raise_for_engine(path, response)
             return ModelInfo.model_validate(response.json())
-        raise EngineError("the engine has neither /model_info nor /get_model_info")
+        raise EngineError("the engine has neither /model_info nor /get_model_info", 404)
 
     async def server_info(self) -> dict[str, Any]:
+        """``/server_info``, else ``/get_server_info``; {} when the engine has neither."""
         for path in ("/server_info", "/get_server_info"):
-            response = await request(
-                self.http, "GET", f"{self.base_url}{path}", attempts=self.attempts
-            )
+            response = await self._get(path)
             if response.status_code == 404:
                 continue
-            if response.status_code >= 400:
-                raise EngineError(f"{path}: HTTP {response.status_code}", response.status_code)
+            raise_for_engine(path, response)
             return dict(response.json())
         return {}
 

@@ -1,0 +1,240 @@
+"""The CPU engine as the routes see it: the model, its tokenizer and the scheduler thread.
+
+Async methods only await: generation runs on the scheduler thread (runtime.py) and each
+request's asyncio futures are resolved with ``loop.call_soon_threadsafe``; reading a
+weights folder runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Gauge
+
+import mempo
+from mempo.api.engine import (
+    GenerateRequest,
+    GenerateResponse,
+    ModelInfo,
+    ServerInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+)
+from mempo.service import Metrics, NotReady, inside_root
+from mempo.settings import quiet_hub
+from services.rollout.engine.model import ModelRunner, WeightsError
+from services.rollout.engine.protocol import Limits, expand, response
+from services.rollout.engine.runtime import EngineRuntime, EngineStopped
+from services.rollout.engine.sequence import Sequence, SequenceSpec
+from services.rollout.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 1.0  # how often a long /generate checks that its client is still there
+
+
+class EngineMetrics:
+    """Prometheus series of the scheduler (the runtime's Observer)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        rows = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+        self.prompt_tokens = metrics.counter("prompt_tokens_total", "Prompt tokens prefilled")
+        self.generated_tokens = metrics.counter("generated_tokens_total", "Tokens generated")
+        self.samples = metrics.counter("samples_total", "Finished samples", ("finish",))
+        self.prefill_rows = metrics.histogram("prefill_batch_rows", "Rows per prefill", rows)
+        self.decode_rows = metrics.histogram("decode_batch_rows", "Rows per decode step", rows)
+        self.registry = metrics.registry
+
+    def on_prefill(self, rows: int, tokens: int) -> None:
+        self.prefill_rows.observe(rows)
+        self.prompt_tokens.inc(tokens)
+
+    def on_decode(self, rows: int) -> None:
+        self.decode_rows.observe(rows)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.generated_tokens.inc(len(seq.output_ids))
+        self.samples.labels(str((seq.finish_reason or {}).get("type"))).inc()
+
+    def watch(self, runtime: EngineRuntime) -> None:
+        running = Gauge(
+            "mempo_engine_running_requests", "Samples being decoded", registry=self.registry
+        )
+        waiting = Gauge("mempo_engine_waiting_requests", "Samples queued", registry=self.registry)
+        running.set_function(lambda: runtime.load()[0])
+        waiting.set_function(lambda: runtime.load()[1])
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Sequence]) -> Any:
+    def settle(seq: Sequence) -> None:
+        if not future.done():
+            future.set_result(seq)
+
+    def on_done(seq: Sequence) -> None:  # scheduler thread
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the request's loop is gone
+            loop.call_soon_threadsafe(settle, seq)
+
+    return on_done
+
+
+class Engine:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        runner: ModelRunner,
+        tokenizer: Any,
+        runtime: EngineRuntime,
+        limits: Limits,
+    ) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.runtime = runtime
+        self.limits = limits
+        self.tokenizer_path = str(Path(settings.tokenizer_path or runner.model_path).resolve())
+
+    @classmethod
+    def load(cls, settings: EngineSettings, metrics: Metrics) -> Engine:
+        """Load model and tokenizer and start the scheduler (blocking: call from a thread)."""
+        import torch
+        from transformers import AutoTokenizer
+
+        quiet_hub()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        model_path = settings.resolved_model_path()
+        runner = ModelRunner.load(model_path, settings.dtype)
+        tokenizer: Any = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_path)
+        context = settings.context_length or runner.max_positions or 4096
+        limits = Limits(context, runner.vocab_size, frozenset(runner.eos_token_ids()))
+        observer = EngineMetrics(metrics)
+        runtime = EngineRuntime(
+            runner,
+            tokenizer,
+            max_batch_size=settings.max_batch_size,
+            max_wait_ms=settings.max_wait_ms,
+            weight_version=settings.weight_version,
+            seed=settings.seed,
+            observer=observer,
+        )
+        observer.watch(runtime)
+        runtime.start()
+        log.info(
+            "CPU engine serving %s (context %d, batch %d)",
+            model_path,
+            context,
+            settings.max_batch_size,
+        )
+        return cls(settings, runner, tokenizer, runtime, limits)
+
+    def close(self) -> None:
+        self.runtime.close(self.settings.drain_timeout_s)
+
+    async def run(
+        self, specs: list[SequenceSpec], gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[Sequence]:
+        """Generate the samples. They are aborted if the caller is cancelled, or (polled
+        every ``DISCONNECT_POLL_S``) once ``gone()`` says the client disconnected."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Sequence]] = [loop.create_future() for _ in specs]
+        seqs = [
+            Sequence(spec, _resolver(loop, fut)) for spec, fut in zip(specs, futures, strict=True)
+        ]
+        mine = {seq.spec.rid for seq in seqs}
+        try:
+            self.runtime.submit(seqs)
+        except EngineStopped as exc:
+            raise NotReady(str(exc)) from exc
+        try:
+            pending: set[asyncio.Future[Sequence]] = set(futures)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
+                if pending and gone is not None and await gone():
+                    self.runtime.abort(lambda rid: rid in mine, "Abort: the client went away")
+                    gone = None  # the aborted samples come back at the next step
+        except asyncio.CancelledError:
+            self.runtime.abort(lambda rid: rid in mine, "Abort: the request was cancelled")
+            raise
+        return [fut.result() for fut in futures]
+
+    async def generate(
+        self, req: GenerateRequest, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> GenerateResponse | list[GenerateResponse]:
+        specs, as_list = expand(req, self.tokenizer, self.limits)
+        done = await self.run(specs, gone)
+        responses = [response(seq) for seq in done]
+        return responses if as_list else responses[0]
+
+    async def health_generate(self) -> bool:
+        """A 1-token generation within the health timeout."""
+        spec = SequenceSpec(
+            rid=f"health_{uuid.uuid4().hex}", prompt_ids=[0], max_new_tokens=1, temperature=0.0
+        )
+        try:
+            await asyncio.wait_for(self.run([spec]), self.settings.health_timeout_s)
+        except (asyncio.TimeoutError, NotReady):
+            return False
+        return True
+
+    async def update_weights_from_disk(
+        self, req: UpdateWeightsFromDiskRequest
+    ) -> UpdateWeightsResponse:
+        path = inside_root(req.model_path, self.settings.weights_root)  # 403 outside
+        try:
+            state = await asyncio.to_thread(self.runner.read_weights, path)
+            future = self.runtime.update_weights(
+                state, path, req.weight_version, req.abort_all_requests
+            )
+            aborted = await asyncio.wrap_future(future)
+        except (WeightsError, EngineStopped, RuntimeError) as exc:
+            log.warning("weight update from %s refused: %s", path, exc)
+            return UpdateWeightsResponse(success=False, message=f"Failed to update weights: {exc}")
+        log.info("weights %s from %s (aborted %d requests)", req.weight_version, path, aborted)
+        return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
+
+    async def pause(self, mode: str) -> None:
+        await asyncio.wrap_future(self.runtime.pause(mode))
+
+    def idle(self) -> bool:
+        return self.runtime.load() == (0, 0)
+
+    def model_info(self) -> ModelInfo:
+        config = self.runner.model.config
+        return ModelInfo.model_validate(
+            {
+                "model_path": str(self.runner.model_path),
+                "tokenizer_path": self.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.runtime.weight_version,
+                "served_model_name": str(self.settings.model_path or self.runner.model_path),
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+            }
+        )
+
+    def server_info(self) -> ServerInfo:
+        running, waiting = self.runtime.load()
+        state = {**asdict(self.runtime.stats), "running": running, "waiting": waiting}
+        return ServerInfo.model_validate(
+            {
+                "model_path": str(self.runner.model_path),
+                "tokenizer_path": self.tokenizer_path,
+                "context_length": self.limits.context_length,
+                "max_batch_size": self.settings.max_batch_size,
+                "weight_version": self.runtime.weight_version,
+                "version": f"mempo-cpu-engine {mempo.__version__}",
+                "internal_states": [state],
+                "max_req_input_len": self.limits.context_length - 1,
+                "max_wait_ms": self.settings.max_wait_ms,
+                "dtype": self.settings.dtype,
+                "device": "cpu",
+                "paused": self.runtime.paused,
+            }
+        )

@@ -1,0 +1,123 @@
+"""The transformers model behind the CPU engine: loading, one forward, weight swaps.
+
+Only the scheduler thread calls ``forward`` and ``apply_weights``; ``read_weights`` runs
+in a request thread, so a bad folder is refused before the engine stops taking work.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightsError(Exception):
+    """A weights folder that cannot be loaded into this model."""
+
+
+class ModelRunner:
+    """A causal LM in eval mode with the few calls the scheduler needs."""
+
+    def __init__(self, model: Any, model_path: Path) -> None:
+        self.model = model
+        self.model_path = model_path
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x names the KV cache ``cache``; 4.x named it ``past_key_values``.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+
+    @classmethod
+    def load(cls, model_path: Path, dtype: str = "float32") -> ModelRunner:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        model.eval()
+        model.requires_grad_(False)
+        return cls(model, model_path)
+
+    def eos_token_ids(self) -> set[int]:
+        """EOS ids from the generation config (or the model config), as SGLang reads them."""
+        ids: set[int] = set()
+        for config in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(config, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        return ids
+
+    def new_cache(self) -> Any:
+        """An empty cache of plain (full attention) layers, so rows can be padded and merged."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        keep: int = 1,
+    ) -> torch.Tensor:
+        """Logits of the last ``keep`` positions, (B, keep, V); ``cache`` grows in place."""
+        kwargs = {self._cache_kw: cache}
+        out = self.model(
+            input_ids=input_ids,  # (B, T)
+            attention_mask=attention_mask,  # (B, L + T), 0 on left padding
+            position_ids=position_ids,  # (B, T)
+            use_cache=True,
+            logits_to_keep=keep,
+            **kwargs,
+        )
+        return out.logits  # type: ignore[no-any-return]
+
+    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """Read and check the safetensors in ``path`` against this model's parameters."""
+        from safetensors.torch import load_file
+
+        if not path.is_dir():
+            raise WeightsError(f"{path} is not a folder")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"no *.safetensors in {path}")
+        state: dict[str, torch.Tensor] = {}
+        try:
+            for file in files:
+                state.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises several types for a broken file
+            raise WeightsError(f"cannot read {path}: {exc}") from exc
+        expected = self.model.state_dict()
+        unexpected = sorted(set(state) - set(expected))
+        if unexpected:
+            raise WeightsError(f"unexpected tensors {unexpected[:5]} in {path}")
+        loaded_storage = {expected[name].data_ptr() for name in state}
+        missing = [
+            name
+            for name in expected
+            if name not in state and expected[name].data_ptr() not in loaded_storage
+        ]  # a tied weight (lm_head = embeddings) arrives with the tensor it shares
+        if missing:
+            raise WeightsError(f"missing tensors {missing[:5]} in {path}")
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise WeightsError(
+                    f"{name}: shape {tuple(tensor.shape)} in {path}, "
+                    f"the model has {tuple(expected[name].shape)}"
+                )
+            state[name] = tensor.to(expected[name].dtype)
+        return state
+
+    def apply_weights(self, state: dict[str, torch.Tensor], path: Path) -> None:
+        """Copy checked weights into the model (scheduler thread, between steps)."""
+        self.model.load_state_dict(state, strict=False)
+        self.model_path = path
+        log.info("loaded weights from %s", path)
