@@ -39,7 +39,9 @@ class ScoreItem(BaseModel):
 
 class ScoreRequest(BaseModel):
     items: list[ScoreItem] = Field(min_length=1)
-    alias_policy: AliasPolicy = "best"
+    alias_policy: AliasPolicy | None = Field(
+        default=None, description="best (max P over aliases) or first; null: the server's default"
+    )
 
 
 class ItemScore(BaseModel):
@@ -85,7 +87,9 @@ class MemoryScoresRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trajectories: list[MemoryTrajectory] = Field(min_length=1)
-    alias_policy: AliasPolicy = "best"
+    alias_policy: AliasPolicy | None = Field(
+        default=None, description="best (max P over aliases) or first; null: the server's default"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,94 @@
+"""Loading the scoring model, and swapping it atomically when new weights arrive.
+
+CUDA when available (bf16), else CPU (fp32, SDPA attention). A weight update loads the
+new model beside the old one and swaps the reference; the batcher reads the reference
+once per batch, so a batch in flight finishes on the weights it started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model, its tokenizer and the weight version they are; never mutated."""
+
+    model: Any
+    tokenizer: Any
+    path: str
+    version: str
+    device: torch.device
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(path: str | Path, version: str, device: str = "auto") -> LoadedModel:
+    """An HF causal LM folder -> eval-mode model (bf16 on CUDA, fp32 on CPU) + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = resolve_device(device)
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.to(target).eval()
+    model.requires_grad_(False)
+    log.info("loaded %s (weight version %s) on %s as %s", path, version, target, dtype)
+    return LoadedModel(model, tokenizer, str(path), version, target)
+
+
+def load_initial(model_path: str | None, version: str, device: str = "auto") -> LoadedModel:
+    """The configured model, or the tiny one (built locally once) when none is set."""
+    from mempo.tiny import default_cache_dir, ensure_tiny
+
+    return load_model(model_path or ensure_tiny(default_cache_dir()), version, device)
+
+
+class ModelHolder:
+    """The current ``LoadedModel``; ``swap`` replaces it, readers take a snapshot."""
+
+    def __init__(self, initial: LoadedModel) -> None:
+        self._current = initial
+        self._lock = threading.Lock()
+        self.update_lock = threading.Lock()  # one weight update at a time
+
+    @property
+    def current(self) -> LoadedModel:
+        with self._lock:
+            return self._current
+
+    def swap(self, new: LoadedModel) -> LoadedModel:
+        with self._lock:
+            old, self._current = self._current, new
+        return old
+
+    def update(self, path: str | Path, version: str, device: str = "auto") -> LoadedModel:
+        """Load ``path`` and make it current (blocking; call from a thread)."""
+        with self.update_lock:
+            new = load_model(path, version, device)
+            self.swap(new)
+        if new.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return new

@@ -1,0 +1,180 @@
+"""The scorer: requests -> scoring plans -> batched forwards -> P_mem, P_full, rewards.
+
+Planning (tokenisation) runs in a thread per request; forwards run on the batcher's
+worker thread, which reads the current model once per batch, so a weight update never
+changes the weights under a batch that has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from mempo.api.engine import ModelInfo
+from mempo.api.scorer import (
+    AliasPolicy,
+    MemoryScoresRequest,
+    MemoryScoresResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from mempo.service import BadInput, Metrics, TooLarge
+from services.scorer.batcher import Batcher
+from services.scorer.forward import naive_logprobs, shared_logprobs
+from services.scorer.model import LoadedModel, ModelHolder
+from services.scorer.plan import (
+    LogProbTable,
+    Plan,
+    Row,
+    item_results,
+    memory_results,
+    plan_item,
+    plan_memory,
+)
+from services.scorer.settings import ScorerSettings
+
+log = logging.getLogger(__name__)
+
+
+def sub_batches(rows: Sequence[Row], budget: int) -> list[list[int]]:
+    """Row indices grouped by size so that rows x longest row stays within ``budget``."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens, reverse=True)
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and rows[batches[-1][0]].num_tokens * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(i)  # the first row of a batch is its longest
+        else:
+            batches.append([i])
+    return batches
+
+
+class ScorerService:
+    def __init__(self, settings: ScorerSettings, initial: LoadedModel, metrics: Metrics) -> None:
+        self.settings = settings
+        self.holder = ModelHolder(initial)
+        self._contexts = metrics.counter("scored_contexts_total", "answer contexts scored")
+        self._batch_seconds = metrics.histogram(
+            "batch_latency_seconds", "time to run one batch of requests"
+        )
+        self._batch_tokens = metrics.histogram(
+            "batch_size_tokens",
+            "tokens per batch of requests",
+            buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576),
+        )
+        self._updates = metrics.counter(
+            "weight_updates_total", "weight updates by outcome", ("outcome",)
+        )
+        self.batcher = Batcher(
+            self._run_rows,
+            settings.max_batch_tokens,
+            settings.max_wait_ms / 1000,
+            settings.max_queue,
+            on_batch=self._observe_batch,
+        )
+
+    @property
+    def current(self) -> LoadedModel:
+        return self.holder.current
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()
+
+    def _observe_batch(self, jobs: int, tokens: int, seconds: float) -> None:
+        self._batch_seconds.observe(seconds)
+        self._batch_tokens.observe(tokens)
+
+    # ----------------------------------------------------------------- forwards (worker thread)
+
+    def _run_rows(self, rows: Sequence[Row]) -> tuple[LogProbTable, str]:
+        loaded = self.holder.current  # one snapshot for the whole batch
+        table: LogProbTable = {}
+        for group in sub_batches(rows, self.settings.max_batch_tokens):
+            chosen = [rows[i] for i in group]
+            if self.settings.method == "naive":
+                part = naive_logprobs(loaded.model, chosen)
+            else:
+                part = shared_logprobs(loaded.model, chosen, loaded.pad_id)
+            table.update({(group[r], s): v for (r, s), v in part.items()})
+        self._contexts.inc(sum(len(r.scored_segments()) for r in rows))
+        return table, loaded.version
+
+    # ----------------------------------------------------------------- planning (request threads)
+
+    def _check(self, plan: Plan, field: str) -> None:
+        loaded = self.holder.current
+        limit = self.settings.max_sequence_tokens
+        if loaded.max_positions:
+            limit = min(limit, loaded.max_positions)
+        for i, row in enumerate(plan.rows):
+            if row.num_tokens > limit:
+                raise TooLarge(
+                    f"{field}.{i}: {row.num_tokens} tokens with its scoring branches exceed "
+                    f"the limit of {limit} (max_sequence_tokens)"
+                )
+        if plan.num_tokens > self.settings.max_request_tokens:
+            raise TooLarge(
+                f"{field}: {plan.num_tokens} tokens exceed the request limit of "
+                f"{self.settings.max_request_tokens} (max_request_tokens)"
+            )
+
+    def _policy(self, requested: AliasPolicy | None) -> AliasPolicy:
+        return requested or self.settings.alias_policy
+
+    def plan_memory_request(self, request: MemoryScoresRequest) -> Plan:
+        tok, policy = self.holder.current.tokenizer, self._policy(request.alias_policy)
+        plan = Plan()
+        for trajectory in request.trajectories:
+            plan_memory(plan, tok, trajectory, policy)
+        self._check(plan, "trajectories")
+        return plan
+
+    def plan_score_request(self, request: ScoreRequest) -> Plan:
+        tok, policy = self.holder.current.tokenizer, self._policy(request.alias_policy)
+        plan = Plan()
+        for i, item in enumerate(request.items):
+            if not plan_item(plan, tok, item, policy):
+                raise BadInput(f"items.{i}.context: renders to no tokens")
+        self._check(plan, "items")
+        return plan
+
+    # ----------------------------------------------------------------- requests
+
+    async def memory_scores(self, request: MemoryScoresRequest) -> MemoryScoresResponse:
+        plan = await asyncio.to_thread(self.plan_memory_request, request)
+        result = await self.batcher.submit(plan.rows)
+        results = memory_results(plan, result.logprobs)
+        return MemoryScoresResponse(results=results, weight_version=result.weight_version)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        plan = await asyncio.to_thread(self.plan_score_request, request)
+        result = await self.batcher.submit(plan.rows)
+        return ScoreResponse(
+            scores=item_results(plan, result.logprobs), weight_version=result.weight_version
+        )
+
+    # ----------------------------------------------------------------- weights
+
+    async def update_weights(self, path: Path, version: str | None) -> LoadedModel:
+        """Load ``path`` beside the current model and swap; raises when it cannot load."""
+        new_version = version if version is not None else self.current.version
+        try:
+            loaded = await asyncio.to_thread(
+                self.holder.update, path, new_version, self.settings.device
+            )
+        except Exception:
+            self._updates.labels("failed").inc()
+            raise
+        self._updates.labels("ok").inc()
+        log.info("weights updated to version %s from %s", loaded.version, path)
+        return loaded
+
+    def model_info(self) -> ModelInfo:
+        loaded = self.current
+        return ModelInfo(
+            model_path=loaded.path, tokenizer_path=loaded.path, weight_version=loaded.version
+        )
