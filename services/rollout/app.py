@@ -1,0 +1,110 @@
+"""The rollout worker's HTTP API; the consumer loop runs in the app's lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+
+from mempo.agent_format import Tokenizer
+from mempo.api.rollout import EpisodesRequest, WorkerStatus
+from mempo.clients.engine import EngineError
+from mempo.clients.retrieval import RetrievalError
+from mempo.clients.scorer import ScorerError
+from mempo.keys import Keys
+from mempo.queue import RedisQueue, connect
+from mempo.retry import RetryableStatus
+from mempo.schemas import Group
+from mempo.service import ErrorBody, Metrics, NotReady, Upstream, install_common
+from services.rollout.group import ScoringFailed
+from services.rollout.metrics import WorkerMetrics
+from services.rollout.settings import WorkerSettings
+from services.rollout.upstreams import Upstreams
+from services.rollout.worker import NotBooted, RolloutWorker
+
+UPSTREAM_ERRORS = (
+    EngineError,
+    RetrievalError,
+    ScorerError,
+    ScoringFailed,
+    RetryableStatus,  # 5xx / 429 after the client's retries
+    httpx.HTTPError,
+)
+
+
+def get_worker(request: Request) -> RolloutWorker:
+    return request.app.state.worker  # type: ignore[no-any-return]
+
+
+WorkerDep = Annotated[RolloutWorker, Depends(get_worker)]
+
+
+def create_app(
+    settings: WorkerSettings | None = None,
+    upstreams: Upstreams | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> FastAPI:
+    """``upstreams`` / ``tokenizer`` default to the ones the settings point at."""
+    settings = settings or WorkerSettings()
+    metrics = WorkerMetrics(Metrics("rollout"))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        clients = upstreams or Upstreams.from_settings(settings)
+        redis = connect(settings.redis_url) if settings.redis_url else None
+        queue = (
+            RedisQueue(
+                redis,
+                Keys(settings.key_prefix),
+                consumer=settings.worker_id,
+                claim_idle_ms=settings.claim_idle_ms,
+                max_deliveries=settings.max_deliveries,
+            )
+            if redis is not None
+            else None
+        )
+        worker = RolloutWorker(settings, clients, queue, metrics, tokenizer)
+        app.state.worker = worker
+        worker.start()
+        try:
+            yield
+        finally:
+            await worker.stop()
+            await clients.aclose()
+            if redis is not None:
+                await redis.aclose()
+
+    app = FastAPI(title="MemPO rollout worker", version="1", lifespan=lifespan)
+
+    async def ready() -> tuple[bool, str | None]:
+        worker: RolloutWorker | None = getattr(app.state, "worker", None)
+        return worker.readiness() if worker else (False, "starting")
+
+    install_common(
+        app, "rollout", metrics.metrics, ready, settings.max_body_bytes, settings.admin_token_value()
+    )
+
+    @app.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])
+    async def status(worker: WorkerDep) -> WorkerStatus:
+        """What the worker is doing: readiness, versions, in-flight work, counters."""
+        return worker.status()
+
+    @app.post(
+        "/v1/episodes",
+        response_model=Group,
+        tags=["rollout"],
+        responses={502: {"model": ErrorBody}, 503: {"model": ErrorBody}},
+    )
+    async def episodes(body: EpisodesRequest, worker: WorkerDep) -> Group:
+        """Run one task's n episodes now and return its Group (not published to Redis)."""
+        try:
+            return await worker.run_task(body.task, score=body.score)
+        except NotBooted as exc:
+            raise NotReady(f"the worker is not ready: {exc}") from exc
+        except UPSTREAM_ERRORS as exc:
+            raise Upstream(f"{type(exc).__name__}: {exc}") from exc
+
+    return app
