@@ -9,13 +9,11 @@ Prints one JSON line per k:
 {"questions", "memory_tokens", "full_tokens", "ratio", "memory_peak", "full_peak", ...}.
 Goal at k = 10: ratio <= 0.30 (the paper reports 0.32).
 
-The world's passages are short (about 28 tokens; wiki-18's are about 100 words), and
-the share of the fixed prompt (instructions + k questions) is larger the shorter the
-search results are. ``--pad-passages N`` appends N neutral sentences (about 32 tokens
-each) to every passage, to measure at wiki-like passage lengths; 0 (the default) is the
-world as it is.
+The ratio depends on how long search results are (the fixed prompt, instructions + k
+questions, weighs more the shorter they are): the world's passages are about 83 words
+(``WorldConfig.background`` sentences per passage), wiki-18's are 100.
 
-    python benchmarks/token_efficiency.py [--tasks 20] [--ks 1,2,4,6,8,10] [--pad-passages 3]
+    python benchmarks/token_efficiency.py [--tasks 20] [--ks 1,2,4,6,8,10]
 """
 
 from __future__ import annotations
@@ -64,19 +62,12 @@ async def play(
         await clients.aclose()
 
 
-FILLER = " This entry is one of the records that the archive of the world keeps for every reader."
-
-
-def padded(passages: list[dict[str, str]], sentences: int) -> list[dict[str, str]]:
-    return [{**p, "contents": p["contents"] + FILLER * sentences} for p in passages]
-
-
-async def main(count: int, ks: list[int], pad: int) -> None:
+async def main(count: int, ks: list[int]) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny(default_cache_dir()))
     world = World.generate(WorldConfig(seed=0))
-    search = LocalSearch(padded(world.passages, pad))
+    search = LocalSearch(world.passages)
     for k in ks:
         pairs = world.tasks("test", k, count, seed=k)
         figures: dict[str, Any] = {"questions": k}
@@ -85,9 +76,9 @@ async def main(count: int, ks: list[int], pad: int) -> None:
             total, peak, em = tokens_and_peak(await play(tokenizer, world, search, mode, tasks))
             figures.update({f"{mode}_tokens": total, f"{mode}_peak": peak, f"{mode}_em": em})
         figures["ratio"] = round(figures["memory_tokens"] / figures["full_tokens"], 4)
-        figures.update({"tasks": count, "pad_passages": pad})
+        figures["tasks"] = count
         order = ["questions", "memory_tokens", "full_tokens", "ratio", "memory_peak", "full_peak"]
-        extra = ["memory_em", "full_em", "tasks", "pad_passages"]
+        extra = ["memory_em", "full_em", "tasks"]
         print(json.dumps({key: figures[key] for key in [*order, *extra]}))
 
 
@@ -95,6 +86,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=20, help="tasks per k")
     parser.add_argument("--ks", default="1,2,4,6,8,10", help="questions per task")
-    parser.add_argument("--pad-passages", type=int, default=0, help="filler sentences per passage")
     args = parser.parse_args()
-    asyncio.run(main(args.tasks, [int(k) for k in args.ks.split(",")], args.pad_passages))
+    asyncio.run(main(args.tasks, [int(k) for k in args.ks.split(",")]))

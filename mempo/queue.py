@@ -200,10 +200,9 @@ class RedisQueue:
                 group, self.consumer, {stream: ">"}, count=count - len(reclaimed), block=block_ms
             )
             fresh = [entry for _, stream_entries in new or [] for entry in stream_entries]
-        return [
-            *await self._decode_all(stream, group, model, reclaimed),
-            *await self._decode_all(stream, group, model, fresh, first_delivery=True),
-        ]
+        out = await self._decode_all(stream, group, model, reclaimed)
+        out.extend(await self._decode_all(stream, group, model, fresh, first_delivery=True))
+        return out
 
     async def _decode_all(
         self,

@@ -84,6 +84,61 @@ _ORG_KINDS = [
 ]
 _RIVERS_SUFFIX = "River"
 
+# Background sentences: true of the passage's entity but never asked about. They make
+# passages as long as real encyclopedia passages (and the search results as costly to
+# carry), and give a reader text to skip. They name no other entity.
+_FILL = {
+    "topic": "old maps|river trade|glass making|folk songs|tidal patterns|bell casting|salt roads|winter birds|"
+    "clockwork|star charts|dye plants|harbour law|paper mills|mountain passes|wool prices".split("|"),
+    "thing": "copper coins|pressed flowers|old keys|sea shells|clay whistles|travel journals|brass buttons".split("|"),
+    "instrument": "cello|flute|lute|harp|drum|violin|horn".split("|"),
+    "trait": "patient|curious|stubborn|generous|careful|restless|cheerful|quiet".split("|"),
+    "feature": "stone bridges|covered markets|rose gardens|narrow lanes|tall towers|busy docks|painted gates".split("|"),
+    "season": "spring|summer|autumn|winter".split("|"),
+    "industry": "weaving|shipbuilding|printing|farming|mining|brewing|pottery".split("|"),
+}
+_BACKGROUND = {
+    "person": [
+        "Outside work, {first} collects {thing} and plays the {instrument}.",
+        "Friends describe {first} as {trait} and {trait2}.",
+        "{first} spent several years studying {topic}.",
+        "{first} once wrote a long essay about {topic2}.",
+        "As a child, {first} lived near a workshop that made {thing2}.",
+        "In the evenings {first} teaches a small class on {topic} to neighbours.",
+        "Colleagues remember {first} for a {trait} manner and a fondness for {thing}.",
+        "Each {season}, {first} travels to see the {feature} of distant towns.",
+    ],
+    "city": [
+        "The city is known for its {feature} and its {feature2}.",
+        "Every {season} the city holds a fair about {topic}.",
+        "Many residents earn their living in {industry}.",
+        "Visitors come to see its {feature2} and to learn about {topic2}.",
+        "Its oldest library holds records of {topic} going back many generations.",
+        "Local craftsmen are proud of their {thing} and sell them at the {season} market.",
+        "Its council meets in a hall beside the {feature}.",
+        "Children there learn {instrument} music from an early age.",
+    ],
+    "org": [
+        "Its members meet every {season} to discuss {topic}.",
+        "It publishes a yearly report on {topic2}.",
+        "It keeps a small collection of {thing}.",
+        "Its early work was in {industry}.",
+        "New members are asked to write a short study of {topic2}.",
+        "Its offices are decorated with {thing2} given by former members.",
+        "Every {season2} it awards a small prize for work on {topic}.",
+        "Its archive contains letters about {industry} and {topic2}.",
+    ],
+    "country": [
+        "The country is known for its {feature} and its {industry}.",
+        "Its people celebrate the end of {season} with songs about {topic}.",
+        "Its museums hold large collections of {thing}.",
+        "Its schools teach {instrument} and the history of {topic2}.",
+        "Travellers praise its {feature2} and its {trait} people.",
+        "Its oldest laws concern {topic} and the {season} harvest.",
+        "Its coins show images of {thing2}.",
+    ],
+}
+
 
 @dataclass(frozen=True)
 class Relation:
@@ -212,6 +267,7 @@ class WorldConfig:
     orgs: int = 40
     max_hops: int = 2
     test_fraction: float = 0.2
+    background: int = 6  # background sentences per passage (0: facts only); 6 gives ~90-word passages
     relations: tuple[str, ...] = tuple(RELATIONS)
     two_hop: tuple[str, ...] = tuple(TWO_HOP)
 
@@ -294,7 +350,16 @@ class World:
             )
         else:
             body = f"{name} is a country whose capital is {f['capital']}."
+        body = " ".join([body, *self._background(name, kind)])
         return {"id": str(index), "contents": f'"{name}"\n{body}'}
+
+    def _background(self, name: str, kind: str) -> list[str]:
+        rng = random.Random(f"{self.config.seed}:background:{name}")
+        pool = _BACKGROUND[kind]
+        chosen = rng.sample(pool, min(self.config.background, len(pool)))
+        fill = {key: rng.sample(words, 2) for key, words in _FILL.items()}
+        values = {k: v[0] for k, v in fill.items()} | {f"{k}2": v[1] for k, v in fill.items()}
+        return [template.format(first=name.split()[0], **values) for template in chosen]
 
     def _make_questions(self, rng: random.Random) -> list[Question]:
         cfg = self.config
