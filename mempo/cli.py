@@ -77,6 +77,107 @@ def world_corpus(
     typer.echo(f"wrote {len(world.passages)} passages to {out}")
 
 
+@app.command("up")
+def up(
+    steps: Annotated[int, typer.Option(min=1, help="training steps to run")] = 20,
+    rollout_replicas: Annotated[int, typer.Option(min=1, max=16, help="CPU engine + worker pairs")] = 1,
+    name: Annotated[str | None, typer.Option(help="run name: runs/<name>/ (default: a timestamp)")] = None,
+    model: Annotated[Path | None, typer.Option(help="policy (HF folder); default: the tiny model, SFT warm-started")] = None,
+    questions: Annotated[str, typer.Option(help='questions per task: "2", "1,2,4" or "1-3"')] = "1-2",
+    group_size: Annotated[int, typer.Option(min=2, help="rollouts per task (GRPO group)")] = 8,
+    batch_groups: Annotated[int, typer.Option(min=1, help="groups per training step")] = 4,
+    mode: Annotated[str, typer.Option(help="memory (MemPO) | full (full-history baseline)")] = "memory",
+    max_rounds: Annotated[int, typer.Option(min=1)] = 6,
+    max_staleness: Annotated[int, typer.Option(min=0, help="0: fully on-policy")] = 1,
+    lr: Annotated[float | None, typer.Option(help="learning rate (default: the trainer's)")] = None,
+    alpha: Annotated[float | None, typer.Option(help="memory advantage weight; 0 = plain GRPO")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),
+    display: Annotated[bool, typer.Option(help="live progress (a table on a terminal)")] = True,
+) -> None:
+    """Run the whole training loop on this machine (CPU, no set-up), then plot it."""
+    import time
+
+    from mempo.launcher.supervisor import ChildFailed
+    from mempo.launcher.up import UpOptions, run_up
+    from mempo.launcher.warmstart import WarmStart, warm_started_policy
+
+    if mode not in ("memory", "full"):
+        fail(f"--mode must be memory or full (got {mode!r})")
+    if model is not None and not (model / "config.json").exists():
+        fail(f"--model {model} is not an HF model folder (no config.json)")
+    quiet_hub()
+    configure_logging("WARNING")
+    opts = UpOptions(
+        name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
+        model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
+        batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
+        lr=lr, alpha=alpha, seed=seed, display=display,
+    )
+    policy = model.resolve() if model else warm_started_policy(WarmStart())
+    try:
+        final = run_up(opts, policy)
+    except ChildFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; services stopped. Logs: {opts.run_dir / 'logs'}", err=True)
+        raise typer.Exit(130) from None
+    metrics = final.get("last_metrics") or {}
+    typer.echo(json.dumps({
+        "run": str(opts.run_dir), "steps": final.get("step"), "version": final.get("version"),
+        "wall_s": final.get("wall_s"), "reward": metrics.get("reward_mean"), "em": metrics.get("correct_rate"),
+        "metrics": str(opts.run_dir / "metrics.jsonl"), "plots": final.get("plots"),
+    }, indent=1))  # fmt: skip
+
+
+@app.command("eval")
+def evaluate_cmd(
+    model: Annotated[Path, typer.Option(help="policy to evaluate (HF folder, e.g. runs/<name>/weights/v20)")],
+    ks: Annotated[str, typer.Option(help="questions per task, comma separated")] = "1,2,4,6,8,10",
+    tasks: Annotated[int, typer.Option(min=1, help="held-out tasks per number of questions")] = 20,
+    modes: Annotated[str, typer.Option(help="memory,full | memory | full")] = "memory,full",
+    score: Annotated[bool, typer.Option(help="also report P_mem / P_full (starts the scorer)")] = False,
+    out: Annotated[Path | None, typer.Option(help="folder for eval.json, eval.png and logs")] = None,
+) -> None:
+    """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mempo.launcher.evaluate import EvalOptions, evaluate, plot_eval
+    from mempo.launcher.supervisor import ChildFailed
+
+    if not (model / "config.json").exists():
+        fail(f"--model {model} is not an HF model folder (no config.json)")
+    try:
+        k_list = [int(k) for k in ks.split(",") if k.strip()]
+    except ValueError:
+        fail(f"--ks must be integers separated by commas (got {ks!r})")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    if not k_list or min(k_list) < 1 or not mode_list or set(mode_list) - {"memory", "full"}:
+        fail("--ks needs positive integers and --modes memory and/or full")
+    quiet_hub()
+    configure_logging("WARNING")
+    out = out or model.resolve().parent / f"eval-{model.name}"
+    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score)
+    try:
+        report = evaluate(model.resolve(), out, opts)
+    except ChildFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    (out / "eval.json").write_text(json.dumps(report, indent=1))
+    png = plot_eval(report, out / "eval.png")
+    table = Table(title=f"eval of {model}")
+    for column in ("mode", "k", "EM", "F1", "format", "tokens/task", "peak tokens"):
+        table.add_column(column, justify="right")
+    for mode, by_k in report["results"].items():
+        for k, f in by_k.items():
+            table.add_row(mode, k, f"{f['em']:.3f}", f"{f['f1']:.3f}", f"{f['format_rate']:.2f}",
+                          f"{f['tokens_per_task']:.0f}", f"{f['peak_tokens']:.0f}")  # fmt: skip
+    Console().print(table)
+    typer.echo(f"wrote {out / 'eval.json'} and {png}")
+
+
 # Groups and commands defined next to the code they run.
 _EXTENSIONS = [
     ("services.retrieval.cli", "retrieval"),

@@ -1,0 +1,1 @@
+"""Running the whole system on one machine: ``mempo up`` and ``mempo eval``."""

@@ -1,0 +1,153 @@
+"""``mempo eval``: a policy on held-out tasks with 1..10 questions, memory and full mode.
+
+It starts the retrieval service, a CPU engine on the policy and a rollout worker in
+HTTP-only mode (plus the scorer when P_mem is wanted), sends every task to the worker's
+``POST /v1/episodes`` (greedy decoding, one episode per task), and reports per number of
+questions and mode: EM, F1, format rate, total and peak tokens per task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from mempo.launcher.supervisor import Supervisor
+from mempo.procs import free_port
+from mempo.rewards import multi_f1
+from mempo.schemas import Group, Task
+from mempo.world import World, WorldConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalOptions:
+    ks: Sequence[int] = (1, 2, 4, 6, 8, 10)
+    tasks: int = 20
+    modes: Sequence[str] = ("memory", "full")
+    split: str = "test"
+    world_seed: int = 0
+    task_seed: int = 1000  # distinct from training's task seeds
+    score: bool = False  # also report P_mem / P_full (starts the scorer)
+    concurrency: int = 8
+    max_new_tokens: int = 256
+
+
+def summarize(groups: list[Group]) -> dict[str, float]:
+    """EM, F1, format rate, tokens per task, peak tokens and (if scored) P_mem of n=1 groups."""
+    trajs = [g.trajectories[0] for g in groups]
+    f1 = [
+        statistics.fmean(multi_f1(t.answer_text, g.task.answers)) if t.answer_text else 0.0
+        for g, t in zip(groups, trajs, strict=True)
+    ]
+    peaks = [max(len(r.prompt_ids) + len(r.response_ids) for r in t.rounds) for t in trajs]
+    p_mem = [p for t in trajs for p in t.p_mem]
+    out = {
+        "em": statistics.fmean(float(t.correct) for t in trajs),
+        "f1": statistics.fmean(f1),
+        "format_rate": statistics.fmean(float(t.format_ok) for t in trajs),
+        "tokens_per_task": statistics.fmean(t.num_tokens for t in trajs),
+        "peak_tokens": float(max(peaks)),
+        "peak_tokens_mean": statistics.fmean(peaks),
+        "rounds": statistics.fmean(len(t.rounds) for t in trajs),
+        "tasks": float(len(groups)),
+    }
+    if p_mem:
+        out["p_mem"] = statistics.fmean(p_mem)
+        out["p_full"] = statistics.fmean(p for t in trajs for p in t.p_full)
+    return out
+
+
+async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score: bool) -> list[Group]:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
+
+        async def one(task: Task) -> Group:
+            async with limit:
+                body = {"task": json.loads(task.model_dump_json()), "score": score}
+                response = await http.post(f"{worker_url}/v1/episodes", json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"/v1/episodes: HTTP {response.status_code}: {response.text[:300]}")
+                return Group.model_validate_json(response.text)
+
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+
+
+def eval_tasks(opts: EvalOptions, k: int, mode: str) -> list[Task]:
+    world = World.generate(WorldConfig(seed=opts.world_seed))
+    pairs = world.tasks(opts.split, k, opts.tasks, seed=opts.task_seed + k)  # type: ignore[arg-type]
+    return [Task(questions=q, answers=a, n=1, mode=mode, max_rounds=3 * k + 2) for q, a in pairs]  # type: ignore[arg-type]
+
+
+def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
+    """Retrieval, engine, (scorer), worker in HTTP-only mode; returns the worker's URL."""
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    ports = {n: free_port() for n in ("retrieval", "engine", "scorer", "worker")}
+    url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    first = [
+        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"],
+                  env={**one, "MEMPO_RETRIEVAL_PORT": str(ports["retrieval"]),
+                       "MEMPO_RETRIEVAL_WORLD_SEED": str(opts.world_seed)}),
+        sup.start("engine", ["mempo", "rollout", "engine"], url=url["engine"],
+                  env={**one, "MEMPO_ENGINE_PORT": str(ports["engine"]), "MEMPO_ENGINE_MODEL_PATH": str(model),
+                       "MEMPO_ENGINE_THREADS": "1"}),
+    ]
+    if opts.score:
+        first.append(sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"],
+                               env={**one, "MEMPO_SCORER_PORT": str(ports["scorer"]),
+                                    "MEMPO_SCORER_MODEL_PATH": str(model)}))
+    sup.wait_ready(first)
+    worker = sup.start("worker", ["mempo", "rollout", "worker"], url=url["worker"], env={
+        **one, "MEMPO_ROLLOUT_PORT": str(ports["worker"]), "MEMPO_ROLLOUT_REDIS_URL": "",
+        "MEMPO_ROLLOUT_CONSUME": "false", "MEMPO_ROLLOUT_ENGINE_URL": url["engine"],
+        "MEMPO_ROLLOUT_RETRIEVAL_URL": url["retrieval"], "MEMPO_ROLLOUT_SCORER_URL": url["scorer"] if opts.score else "",
+        "MEMPO_ROLLOUT_TEMPERATURE": "0", "MEMPO_ROLLOUT_TOKENIZER_PATH": str(model),
+        "MEMPO_ROLLOUT_MAX_NEW_TOKENS": str(opts.max_new_tokens),
+    })
+    sup.wait_ready([worker])
+    return url["worker"]
+
+
+def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
+    """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}}."""
+    results: dict[str, dict[str, dict[str, float]]] = {mode: {} for mode in opts.modes}
+    with Supervisor(run_dir) as sup:
+        worker = start_eval_services(sup, model, opts)
+        for mode in opts.modes:
+            for k in opts.ks:
+                groups = asyncio.run(run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score))
+                results[mode][str(k)] = summarize(groups)
+                log.info("eval %s k=%d: %s", mode, k, results[mode][str(k)])
+    return {"model": str(model), "split": opts.split, "results": results}
+
+
+def plot_eval(report: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    for mode, by_k in report["results"].items():
+        ks = sorted(by_k, key=int)
+        ax_em.plot([int(k) for k in ks], [by_k[k]["em"] for k in ks], marker="o", label=f"{mode} EM")
+        ax_tok.plot([int(k) for k in ks], [by_k[k]["tokens_per_task"] for k in ks], marker="o", label=f"{mode} total")
+        ax_tok.plot([int(k) for k in ks], [by_k[k]["peak_tokens"] for k in ks], marker="x", linestyle="--",
+                    label=f"{mode} peak")
+    ax_em.set(title="Exact match", xlabel="questions per task", ylim=(-0.02, 1.02))
+    ax_tok.set(title="Tokens per task", xlabel="questions per task", yscale="log")
+    for ax in (ax_em, ax_tok):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

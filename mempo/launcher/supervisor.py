@@ -1,0 +1,144 @@
+"""Child processes of ``mempo up``: started with their own log files, awaited until ready,
+watched, and stopped cleanly (SIGTERM to each process group, then SIGKILL), so no orphan
+processes or stale ports are left behind on completion, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    name: str
+    url: str | None
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready_path: str = "/ready"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Supervisor:
+    run_dir: Path
+    children: list[Child] = field(default_factory=list)
+    _previous_handlers: dict[int, object] = field(default_factory=dict)
+
+    def start(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        url: str | None = None,
+        ready_path: str = "/ready",
+    ) -> Child:
+        """Start ``python -m mempo.cli <args>`` (or any argv) with its output in logs/<name>.log."""
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{name}.log"
+        argv = list(args)
+        if argv and argv[0] == "mempo":
+            argv = [sys.executable, "-m", "mempo.cli", *argv[1:]]
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with log_path.open("ab") as handle:
+            proc = subprocess.Popen(  # own session: signals reach the child's whole tree
+                argv, stdout=handle, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+            )
+        child = Child(name, url, proc, log_path, ready_path)
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return child
+
+    def wait_ready(self, children: Sequence[Child], timeout_s: float = 180.0) -> None:
+        """Poll every child's readiness route; fail with its log tail if it dies or times out."""
+        pending = [c for c in children if c.url]
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while pending:
+                for child in list(pending):
+                    if not child.alive():
+                        raise ChildFailed(
+                            f"{child.name} exited with code {child.proc.returncode} before it was ready; "
+                            f"last log lines:\n{child.log_tail()}"
+                        )
+                    try:
+                        if http.get(f"{child.url}{child.ready_path}").status_code == 200:
+                            pending.remove(child)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in pending)
+                    raise ChildFailed(f"not ready after {timeout_s:.0f}s: {names} (logs in {self.run_dir / 'logs'})")
+                if pending:
+                    time.sleep(0.2)
+
+    def check(self) -> None:
+        """Raise if any child died."""
+        for child in self.children:
+            if not child.alive():
+                raise ChildFailed(
+                    f"{child.name} exited with code {child.proc.returncode}; last log lines:\n{child.log_tail()}"
+                )
+
+    def stop(self, child: Child, timeout_s: float = 15.0) -> None:
+        if child.alive():
+            _signal_group(child.proc, signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs: killing it", child.name, timeout_s)
+        _signal_group(child.proc, signal.SIGKILL)  # whatever is left of its process group
+        if child.proc.poll() is None:
+            child.proc.wait(timeout=5)
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """Stop in reverse start order (the learner first, redis last)."""
+        for child in reversed(self.children):
+            self.stop(child, timeout_s)
+
+    def __enter__(self) -> Supervisor:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

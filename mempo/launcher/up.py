@@ -1,0 +1,178 @@
+"""``mempo up``: the whole loop on one machine, CPU only, no set-up.
+
+A private redis-server (or ``MEMPO_REDIS_URL``), the retrieval service, the scorer, N CPU
+engines with N rollout workers, and the learner, each a child process with its own log
+in ``runs/<name>/logs/``. It waits for every ``/ready``, shows live progress until the
+learner has taken ``--steps`` steps, stops everything cleanly, and writes plots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mempo.launcher.plots import plot_run
+from mempo.launcher.progress import Progress, Snapshot
+from mempo.launcher.supervisor import Child, Supervisor
+from mempo.procs import RedisServer, free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpOptions:
+    name: str
+    steps: int = 20
+    rollout_replicas: int = 1
+    model: Path | None = None  # None: the tiny model, SFT warm-started
+    runs_root: Path = Path("runs")
+    questions_per_task: str = "1-2"
+    group_size: int = 8
+    batch_groups: int = 4
+    mode: str = "memory"
+    max_rounds: int = 6
+    max_staleness: int = 1
+    lr: float | None = None
+    alpha: float | None = None  # memory advantage weight (0: plain GRPO)
+    seed: int = 0
+    display: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 300.0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_root / self.name
+
+
+@dataclass
+class Endpoints:
+    retrieval: str
+    scorer: str
+    learner: str
+    engines: list[str]
+    workers: list[str]
+
+
+def _env(base: dict[str, str], **values: object) -> dict[str, str]:
+    return {**base, **{k: str(v) for k, v in values.items() if v is not None}}
+
+
+def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str) -> Endpoints:
+    """Start every service as a child process and wait until all are ready."""
+    run = opts.run_dir.resolve()
+    token = secrets.token_hex(16)  # this run's admin token: only in child environments
+    weights = run / "weights"
+    weights.mkdir(parents=True, exist_ok=True)
+    prefix = "mempo:" if not os.environ.get("MEMPO_REDIS_URL") else f"mempo:{opts.name}:"
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **opts.extra_env}
+    ports = {name: free_port() for name in ("retrieval", "scorer", "learner")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+
+    first: list[Child] = [
+        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"],
+                  env=_env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"])),
+        sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_env(
+            one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
+            MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=token,
+            MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_REDIS_PREFIX=prefix,
+            MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0")),
+    ]
+    engines, workers = [], []
+    for i in range(opts.rollout_replicas):
+        port = free_port()
+        engines.append(f"http://127.0.0.1:{port}")
+        first.append(sup.start(f"engine-{i}", ["mempo", "rollout", "engine"], url=engines[-1], env=_env(
+            one_thread, MEMPO_ENGINE_PORT=port, MEMPO_ENGINE_MODEL_PATH=model, MEMPO_ENGINE_WEIGHTS_ROOT=weights,
+            MEMPO_ENGINE_ADMIN_TOKEN=token, MEMPO_ENGINE_THREADS=1, MEMPO_ENGINE_SEED=opts.seed + i)))
+    sup.wait_ready(first, opts.ready_timeout_s)
+
+    second: list[Child] = []
+    for i, engine in enumerate(engines):
+        port = free_port()
+        workers.append(f"http://127.0.0.1:{port}")
+        second.append(sup.start(f"worker-{i}", ["mempo", "rollout", "worker"], url=workers[-1], env=_env(
+            one_thread, MEMPO_ROLLOUT_PORT=port, MEMPO_ROLLOUT_REDIS_URL=redis_url, MEMPO_ROLLOUT_KEY_PREFIX=prefix,
+            MEMPO_ROLLOUT_WORKER_ID=f"worker-{i}", MEMPO_ROLLOUT_ENGINE_URL=engine,
+            MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=token, MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
+            MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
+            MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
+            MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000)))
+    learner_env = _env(
+        opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
+        MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,
+        MEMPO_LEARNER_CHECKPOINT_DIR=run / "checkpoints", MEMPO_LEARNER_WEIGHTS_ROOT=weights,
+        MEMPO_LEARNER_ENGINE_ADMIN_TOKEN=token, MEMPO_LEARNER_TOTAL_STEPS=opts.steps,
+        MEMPO_LEARNER_QUESTIONS_PER_TASK=opts.questions_per_task, MEMPO_LEARNER_GROUP_SIZE=opts.group_size,
+        MEMPO_LEARNER_BATCH_GROUPS=opts.batch_groups, MEMPO_LEARNER_MODE=opts.mode,
+        MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
+        MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
+        MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
+    )
+    second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"], env=learner_env))
+    sup.wait_ready(second, opts.ready_timeout_s)
+    return Endpoints(url["retrieval"], url["scorer"], url["learner"], engines, workers)
+
+
+def snapshot(http: httpx.Client, ends: Endpoints) -> Snapshot:
+    """Read the learner's status and every engine's weight version."""
+    status = http.get(f"{ends.learner}/v1/status").json()
+    versions = {}
+    for name, base in [("scorer", ends.scorer), *[(f"engine-{i}", u) for i, u in enumerate(ends.engines)]]:
+        try:
+            versions[name] = str(http.get(f"{base}/model_info").json().get("weight_version"))
+        except (httpx.HTTPError, ValueError):
+            versions[name] = "?"
+    return Snapshot(status=status, versions=versions, at=time.monotonic())
+
+
+def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progress) -> dict[str, object]:
+    """Show progress until the learner is done; returns its final status."""
+    with httpx.Client(timeout=5.0) as http:
+        while True:
+            sup.check()
+            try:
+                snap = snapshot(http, ends)
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("status unavailable: %s", exc)
+                time.sleep(1.0)
+                continue
+            progress.update(snap)
+            state = snap.status.get("state")
+            if state == "failed":
+                raise RuntimeError(f"the learner failed: {snap.status.get('error')}")
+            if state == "finished" or snap.status.get("step", 0) >= opts.steps:
+                # Let the engines pick up the last version before reporting.
+                if all(v == str(snap.status.get("version")) for v in snap.versions.values()) or state == "finished":
+                    return dict(snap.status)
+            time.sleep(1.0)
+
+
+def run_up(opts: UpOptions, model: Path) -> dict[str, object]:
+    """Run the loop; returns the learner's final status. Cleans up on any exit."""
+    run = opts.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    redis: RedisServer | None = None
+    redis_url = os.environ.get("MEMPO_REDIS_URL")
+    started = time.monotonic()
+    try:
+        if not redis_url:
+            redis = RedisServer(run / "redis", appendonly=True).start()
+            redis_url = redis.url
+        with Supervisor(run) as sup, Progress(opts.steps, enabled=opts.display) as progress:
+            progress.note(f"starting services (logs in {run / 'logs'})")
+            ends = start_services(sup, opts, model, redis_url)
+            progress.note("all services ready; training")
+            final = monitor(sup, ends, opts, progress)
+            progress.note("done; stopping services")
+    finally:
+        if redis is not None:
+            redis.stop()
+    final["wall_s"] = round(time.monotonic() - started, 1)
+    final["plots"] = [str(p) for p in plot_run(run / "metrics.jsonl", run)]
+    return final

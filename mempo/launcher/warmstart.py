@@ -1,0 +1,52 @@
+"""The default policy of ``mempo up``: the tiny model, SFT warm-started once and cached."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """What ``mempo sft`` is run with; the cache key of the result."""
+
+    preset: str = "test"
+    tasks: int = 256
+    k: int = 1
+    mode: str = "memory"
+    steps: int = 150
+    lr: float = 2e-3
+    seed: int = 0
+
+    def key(self, base: Path) -> str:
+        spec = json.dumps({**asdict(self), "base": base.name}, sort_keys=True)
+        return hashlib.sha256(spec.encode()).hexdigest()[:12]
+
+
+def warm_started_policy(spec: WarmStart, cache_dir: Path | None = None) -> Path:
+    """Build the tiny model and SFT it (shown live), unless the result is cached."""
+    cache = cache_dir or default_cache_dir()
+    base = ensure_tiny(cache, PRESETS[spec.preset])
+    final = cache / "sft" / f"sft-{spec.key(base)}"
+    if (final / "model.safetensors").exists():
+        return final
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[mempo] SFT warm start of the tiny model ({spec.steps} steps, once; cached in {final})", flush=True)
+    cmd = [
+        sys.executable, "-m", "mempo.cli", "sft", "--out", str(tmp), "--model", str(base),
+        "--tasks", str(spec.tasks), "--k", str(spec.k), "--mode", spec.mode,
+        "--steps", str(spec.steps), "--lr", str(spec.lr), "--seed", str(spec.seed),
+    ]
+    subprocess.run(cmd, check=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
