@@ -5,6 +5,7 @@ processes or stale ports are left behind on completion, error or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -138,7 +139,5 @@ class Supervisor:
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

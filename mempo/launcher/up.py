@@ -14,6 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -131,7 +132,7 @@ def snapshot(http: httpx.Client, ends: Endpoints) -> Snapshot:
     return Snapshot(status=status, versions=versions, at=time.monotonic())
 
 
-def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progress) -> dict[str, object]:
+def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progress) -> dict[str, Any]:
     """Show progress until the learner is done; returns its final status."""
     with httpx.Client(timeout=5.0) as http:
         while True:
@@ -146,14 +147,14 @@ def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progres
             state = snap.status.get("state")
             if state == "failed":
                 raise RuntimeError(f"the learner failed: {snap.status.get('error')}")
-            if state == "finished" or snap.status.get("step", 0) >= opts.steps:
-                # Let the engines pick up the last version before reporting.
-                if all(v == str(snap.status.get("version")) for v in snap.versions.values()) or state == "finished":
-                    return dict(snap.status)
+            # Done: the learner says so, or has taken its steps and every engine has the last version.
+            caught_up = all(v == str(snap.status.get("version")) for v in snap.versions.values())
+            if state == "finished" or (snap.status.get("step", 0) >= opts.steps and caught_up):
+                return dict(snap.status)
             time.sleep(1.0)
 
 
-def run_up(opts: UpOptions, model: Path) -> dict[str, object]:
+def run_up(opts: UpOptions, model: Path) -> dict[str, Any]:
     """Run the loop; returns the learner's final status. Cleans up on any exit."""
     run = opts.run_dir
     run.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(help="The learner service.", no_args_is_help=True)
@@ -67,3 +69,62 @@ def follower_rank() -> bool:
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def sft(
+    out: Path = typer.Option(..., help="output folder: an HF checkpoint usable as the policy"),
+    model: str | None = typer.Option(None, help="base model folder (default: the tiny model)"),
+    data: Path | None = typer.Option(None, help="jsonl of rendered rounds (default: oracle trajectories)"),
+    steps: int | None = typer.Option(None, min=1, help="optimizer steps (default: --epochs passes)"),
+    epochs: float = typer.Option(3.0, min=0.01, help="passes over the data when --steps is unset"),
+    lr: float = typer.Option(1e-3, min=0.0, help="peak learning rate (1e-5 for 7B-class models)"),
+    tasks: int = typer.Option(64, min=1, help="oracle tasks per mode"),
+    k: int = typer.Option(1, min=1, max=64, help="questions per task"),
+    mode: str = typer.Option("memory", help="memory | full | both"),
+    seed: int = typer.Option(0, help="data order and task seed"),
+    world_seed: int = typer.Option(0, help="seed of the synthetic world"),
+    device: str = typer.Option("cpu", help="torch device"),
+) -> None:
+    """SFT warm start: train on response tokens only, write an HF checkpoint."""
+    import json
+    from typing import Any
+
+    from pydantic import ValidationError
+    from transformers import AutoTokenizer
+
+    from mempo.cli import fail
+    from mempo.settings import configure_logging, quiet_hub
+    from mempo.tiny import default_cache_dir, ensure_tiny
+    from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
+
+    if mode not in ("memory", "full", "both"):
+        fail(f"--mode must be memory, full or both (got {mode!r})")
+    if data is not None and not data.is_file():
+        fail(f"--data {data} is not a file")
+    try:
+        config = SftConfig(lr=lr, steps=steps, epochs=epochs, seed=seed)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        fail(f"--{'.'.join(map(str, err['loc']))}: {err['msg']}")
+    quiet_hub()
+    configure_logging()
+    model_path = model or str(ensure_tiny(default_cache_dir()))
+    tok: Any = AutoTokenizer.from_pretrained(model_path)
+    try:
+        sequences = (
+            jsonl_sequences(tok, data)
+            if data is not None
+            else oracle_sequences(tok, tasks, k, mode, world_seed, seed)  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    report = train_sft(model_path, sequences, out, config, device)
+    typer.echo(json.dumps({
+        "out": str(report.out_dir), "steps": report.steps, "sequences": report.sequences,
+        "first_loss": report.first_loss, "last_loss": report.last_loss, "tokens_per_s": report.tokens_per_s,
+    }))  # fmt: skip
+
+
+def register_top_level(root: typer.Typer) -> None:
+    """Top-level commands implemented here: ``mempo sft``."""
+    root.command("sft")(sft)
