@@ -1,0 +1,246 @@
+"""Checkpoints (atomic, retained, resumable) and HF-format exports of the policy.
+
+A checkpoint is a folder ``step-{step:08d}/`` under the root:
+
+    model.pt       the policy's full state dict
+    optimizer.pt   AdamW state keyed by parameter name (loads into any sharding)
+    trainer.pt     LR scheduler state, torch (and CUDA) RNG states
+    meta.json      step, version, trained group ids, python / numpy RNG, free-form extra
+
+It is written into a temp folder, every file fsynced, then renamed into place (and the
+root fsynced), so a crash at any point leaves either the complete checkpoint or none:
+``latest()`` never sees half of one. Older checkpoints beyond ``keep_last`` are deleted
+only after the new one is durable. The learner acks the groups it trained on only after
+``save`` returns, so with the ids in ``meta.json`` every group is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mempo.tiny import make_world_readable
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+_TEMP_PREFIX = ".tmp-step-"
+FORMAT = 1
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.index\.json$")
+
+
+@dataclass
+class CheckpointState:
+    """What a checkpoint records besides tensors."""
+
+    step: int
+    version: int
+    trained_group_ids: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+@dataclass
+class TrainingState:
+    """Everything needed to continue training exactly where it stopped."""
+
+    meta: CheckpointState
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    rng: dict[str, Any] = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],  # type: ignore[index,misc]
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    py_version, py_state, py_gauss = rng["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(p.name)) and (p / "meta.json").is_file()
+    ]
+    return sorted(found)
+
+
+def save(root: Path, state: TrainingState, keep_last: int) -> Path:
+    """Write ``state`` atomically as ``root/step-{step:08d}``; apply retention."""
+    root.mkdir(parents=True, exist_ok=True)
+    meta = state.meta
+    python_rng = {k: state.rng[k] for k in ("python", "numpy")}
+    meta_json = json.dumps(
+        {
+            "format": FORMAT,
+            "step": meta.step,
+            "version": meta.version,
+            "trained_group_ids": list(meta.trained_group_ids),
+            "extra": meta.extra,
+            "rng": python_rng,
+            "saved_at": time.time(),
+        }
+    )  # fails here, before anything is written, if extra is not JSON
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{meta.step}-", dir=root))
+    try:
+        torch.save(state.model, tmp / "model.pt")
+        torch.save(state.optimizer, tmp / "optimizer.pt")
+        torch_rng = {k: v for k, v in state.rng.items() if k not in python_rng}
+        torch.save({"scheduler": state.scheduler, "rng": torch_rng}, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(meta_json)
+        for path in tmp.iterdir():
+            _fsync_file(path)
+        _fsync_dir(tmp)
+        final = root / f"step-{meta.step:08d}"
+        if final.exists():  # the same step saved again (a retried save): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _retain(root, keep_last)
+    log.info("checkpoint step %s (version %s) saved to %s", meta.step, meta.version, final)
+    return final
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    for _, path in step_dirs(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(f"{_TEMP_PREFIX}*"):  # left by a crash mid-save
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_meta(path: Path) -> CheckpointState:
+    data = json.loads((path / "meta.json").read_text())
+    return CheckpointState(
+        step=int(data["step"]),
+        version=int(data["version"]),
+        trained_group_ids=list(data.get("trained_group_ids", [])),
+        extra=dict(data.get("extra", {})),
+        path=path,
+    )
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint whose metadata reads, or None."""
+    for _, path in reversed(step_dirs(root)):
+        try:
+            read_meta(path)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+            continue
+        return path
+    return None
+
+
+def load(path: Path) -> TrainingState:
+    meta = read_meta(path)
+    rng = json.loads((path / "meta.json").read_text())["rng"]
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    return TrainingState(
+        meta=meta,
+        model=torch.load(path / "model.pt", weights_only=True),
+        optimizer=torch.load(path / "optimizer.pt", weights_only=True),
+        scheduler=trainer["scheduler"],
+        rng={**rng, **trainer["rng"]},
+    )
+
+
+# --------------------------------------------------------------------------- HF export
+
+
+def tied_parameter_names(model: torch.nn.Module) -> frozenset[str]:
+    """Names under which an already-listed parameter appears again (tied embeddings)."""
+    unique = {name for name, _ in model.named_parameters()}
+    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False)) - unique
+
+
+def export_hf(
+    state: dict[str, torch.Tensor],
+    config: Any,
+    base_dir: Path,
+    out_dir: Path,
+    dtype: torch.dtype | None = None,
+    tied: frozenset[str] = frozenset(),
+) -> Path:
+    """Write an HF folder: model.safetensors, config.json and the base model's other files.
+
+    ``tied`` names parameters that alias another (tied embeddings): HF re-ties them on
+    load, and safetensors refuses shared storage, so they are left out. The folder is
+    made world-readable (engines in other containers load it).
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in base_dir.iterdir():  # tokenizer, generation config, ...
+        if item.is_file() and not _WEIGHT_FILES.fullmatch(item.name) and item.name != "config.json":
+            shutil.copy2(item, out_dir / item.name)
+    tensors = {
+        name: (t.to(dtype) if dtype is not None else t).contiguous()
+        for name, t in state.items()
+        if name not in tied
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    dtype_name = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config_path = out_dir / "config.json"
+    data = json.loads(config_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in data:
+            data[key] = dtype_name
+    config_path.write_text(json.dumps(data, indent=2))
+    make_world_readable(out_dir)
+    return out_dir

@@ -1,0 +1,141 @@
+"""The PPO update's pieces: mini-batch order, batch-global denominators, a micro-batch's loss.
+
+A mini-batch is one optimizer step; its loss is split over micro-batches (and ranks)
+whose losses add up to exactly the mini-batch loss: every micro-batch divides by the
+mini-batch's denominator (mempo.losses.agg_loss's ``global_denominator``).
+
+Glossary: K trained tokens (of the batch, or of one micro-batch), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mempo.losses import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from services.learner.batch import TrainingBatch
+from services.learner.packing import MicroBatch
+from services.learner.trainer_config import TrainerConfig
+
+# Per mini-batch sums, all-reduced once: token-weighted metrics, then the loss.
+SUMS = ("tokens", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl", "entropy", "loss")
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """The step's per-token inputs in trained-token space, on the training device: (K,)."""
+
+    advantages: Tensor
+    old: Tensor | None  # None: the update's own forward, detached (a single update per step)
+    ref: Tensor | None
+    seq_ids: Tensor
+
+    @classmethod
+    def of(
+        cls, batch: TrainingBatch, old: Tensor | None, ref: Tensor | None, device: torch.device
+    ) -> TokenData:
+        return cls(
+            advantages=batch.advantages.to(device),
+            old=old.to(device) if old is not None else None,
+            ref=ref.to(device) if ref is not None else None,
+            seq_ids=batch.seq_ids.to(device),
+        )
+
+
+def shuffled_minibatches(
+    num_sequences: int, mini_batches: int, seed: int, step: int, epoch: int
+) -> Iterator[list[int]]:
+    """Sequence indices shuffled by (seed, step, epoch), split into near-equal parts.
+
+    Seeded by the step, not by a running generator, so a resumed run shuffles exactly as
+    an uninterrupted one, and every rank alike.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + epoch)
+    order = torch.randperm(num_sequences, generator=generator).numpy()
+    for part in np.array_split(order, mini_batches):
+        if len(part):
+            yield [int(i) for i in part]
+
+
+def loss_denominator(
+    batch: TrainingBatch, mini: list[int], loss_agg: str
+) -> tuple[float, Tensor | None]:
+    """agg_loss's denominator for mini-batch ``mini``, and per-token weights (or None).
+
+    token-mean: the mini-batch's trained tokens; seq modes: its sequences (a sequence
+    never spans micro-batches). traj-mean-token-mean weights each token by 1 / (its
+    trajectory's trained tokens in the mini-batch) and divides by the trajectory count:
+    exact however a trajectory's rounds fall into micro-batches and ranks.
+    """
+    idx = batch.token_index(mini)
+    if loss_agg == "token-mean":
+        return float(idx.numel()), None
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return float(len(mini)), None
+    counts = torch.bincount(batch.traj_ids[idx]).float()  # (B,)
+    scale = torch.zeros(batch.num_tokens)  # (K,)
+    scale[idx] = 1.0 / counts[batch.traj_ids[idx]]
+    return float((counts > 0).sum()), scale
+
+
+def micro_loss(
+    config: TrainerConfig,
+    micro: MicroBatch,
+    logp: Tensor,
+    logits: Tensor,
+    tokens: TokenData,
+    denominator: float,
+    token_scale: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """This micro-batch's share of the mini-batch loss, and its metric sums (see SUMS).
+
+    per token: clipped surrogate (dual clip) + beta * KL(pi || pi_ref) - c * entropy.
+    ``logp`` (K,) and ``logits`` (K, V) come from packing.forward_logprobs.
+    """
+    idx = micro.token_index
+    old = tokens.old[idx] if tokens.old is not None else logp.detach()
+    pg_loss, pg = ppo_policy_loss(
+        logp,
+        old,
+        tokens.advantages[idx],
+        None,
+        config.clip_low,
+        config.clip_high,
+        config.clip_c,
+    )
+    kl = (
+        kl_penalty(logp, tokens.ref[idx], config.kl_kind)
+        if tokens.ref is not None
+        else torch.zeros_like(logp)
+    )
+    with torch.set_grad_enabled(config.entropy_coef > 0):
+        entropy = entropy_from_logits(logits)  # (K,)
+    per_token = pg_loss + config.beta_kl * kl - config.entropy_coef * entropy  # (K,)
+    mode = config.loss_agg
+    if token_scale is not None:  # traj-mean-token-mean as weighted token sums
+        per_token, mode = per_token * token_scale[idx], "token-mean"
+    loss = agg_loss(
+        per_token,
+        torch.ones_like(per_token),
+        mode,
+        seq_ids=tokens.seq_ids[idx],
+        global_denominator=denominator,
+    )
+    k = torch.tensor(float(idx.numel()), device=logp.device)
+    stats = torch.stack(
+        [
+            k,
+            pg_loss.detach().sum(),
+            pg["pg_clipfrac"] * k,
+            pg["pg_clipfrac_lower"] * k,
+            pg["ppo_kl"] * k,
+            kl.detach().sum(),
+            entropy.detach().sum(),
+            loss.detach(),
+        ]
+    ).double()
+    return loss, stats

@@ -1,0 +1,291 @@
+"""SFT warm start: next-token loss on response tokens only, then an HF checkpoint.
+
+MemPO's recipe starts RL from an SFT model. The default data are the synthetic world's
+oracle trajectories, rendered exactly as the rollout worker renders prompts
+(services/rollout/episode.py): memory mode with ``memory_prompt_ids`` and the previous
+round only, full mode by appending ids (``full_next_prompt_ids``). Sequences come from
+the same ``trajectory_sequences`` the PPO trainer uses, so a prompt or an information
+block is never trained on. A jsonl file of rendered rounds works too: one round a line,
+``{"prompt": str, "response": str}`` or ``{"prompt_ids": [int], "response_ids": [int]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from mempo.agent_format import (
+    PreviousRound,
+    Tokenizer,
+    format_documents,
+    full_next_prompt_ids,
+    information_ids,
+    mem_token_span,
+    memory_prompt_ids,
+    parse_response,
+)
+from mempo.schemas import Round, Trajectory
+from services.learner.batch import TrainingBatch, TrainSequence, trajectory_sequences
+from services.learner.packing import forward_logprobs, micro_batches
+
+log = logging.getLogger(__name__)
+
+SftMode = Literal["memory", "full", "both"]
+
+
+class SftConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak AdamW learning rate (1e-3 suits the tiny model; 1e-5 for 7B-class models)."""
+
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps; None: ``epochs`` passes over the data."""
+
+    epochs: float = Field(default=3.0, gt=0)
+    """Passes over the data when ``steps`` is None."""
+
+    batch_sequences: int = Field(default=16, ge=1)
+    """Sequences per optimizer step."""
+
+    micro_batch_tokens: int = Field(default=8192, ge=16)
+    """Token budget of one forward/backward."""
+
+    row_tokens: int | None = Field(default=2048, ge=16)
+    """Longest packed row (see TrainerConfig.row_tokens)."""
+
+    warmup_steps: int = Field(default=5, ge=0)
+    """Linear warmup steps."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Global gradient-norm clip."""
+
+    seed: int = 0
+    """Seeds the data order and torch."""
+
+    log_every: int = Field(default=10, ge=1)
+    """Log loss and tokens/s every this many steps."""
+
+
+@dataclass(frozen=True)
+class SftReport:
+    out_dir: Path
+    steps: int
+    sequences: int
+    first_loss: float
+    last_loss: float
+    tokens_per_s: float
+
+
+# --------------------------------------------------------------------------- data
+
+
+def oracle_rounds(
+    tok: Tokenizer, questions: Sequence[str], search: Callable[[str], str], oracle: Any, mode: str
+) -> list[Round]:
+    """The oracle's episode as the rollout worker would record it (ids, mem spans)."""
+    memory_mode = mode == "memory"
+    prompt = memory_prompt_ids(tok, questions, None)
+    rounds: list[Round] = []
+    for index, oracle_round in enumerate(oracle.episode(questions, search, mode)):
+        response_ids = list(tok.encode(oracle_round.response, add_special_tokens=False))
+        text = tok.decode(response_ids, skip_special_tokens=True)
+        parsed = parse_response(text, require_memory=memory_mode)
+        rounds.append(
+            Round.model_validate(
+                {
+                    "index": index,
+                    "prompt_ids": prompt,
+                    "response_ids": response_ids,
+                    "response_logprobs": [0.0] * len(response_ids),
+                    "mem_span": mem_token_span(tok, response_ids, text, parsed.mem_chars),
+                    "action": parsed.action,
+                    "query": parsed.query,
+                    "information": oracle_round.information,
+                }
+            )
+        )
+        if parsed.action != "search":
+            break
+        information = oracle_round.information or ""
+        if memory_mode:
+            prev = PreviousRound(
+                memory=parsed.memory or "", query=parsed.query, information=information
+            )
+            prompt = memory_prompt_ids(tok, questions, prev)
+        else:
+            prompt = full_next_prompt_ids(prompt, response_ids, information_ids(tok, information))
+    return rounds
+
+
+def oracle_sequences(
+    tok: Tokenizer,
+    tasks: int = 64,
+    k: int = 1,
+    mode: SftMode = "memory",
+    world_seed: int = 0,
+    seed: int = 0,
+) -> list[TrainSequence]:
+    """Training sequences of the world's oracle on ``tasks`` train-split tasks."""
+    from mempo.bm25 import LocalSearch
+    from mempo.oracle import Oracle
+    from mempo.world import World, WorldConfig
+
+    world = World.generate(WorldConfig(seed=world_seed))
+    index = LocalSearch(world.passages)
+    oracle = Oracle(world)
+
+    def search(query: str) -> str:
+        return format_documents(index.retrieve([query], 3)[0])
+
+    modes = ["memory", "full"] if mode == "both" else [mode]
+    sequences: list[TrainSequence] = []
+    for m in modes:
+        for questions, _ in world.tasks("train", k, tasks, seed=seed):
+            traj = Trajectory(rounds=oracle_rounds(tok, questions, search, oracle, m))
+            sequences.extend(trajectory_sequences(traj, full_mode=m == "full"))
+    return sequences
+
+
+def jsonl_sequences(tok: Tokenizer, path: Path) -> list[TrainSequence]:
+    """One rendered round a line; raises ValueError naming the line of a bad record."""
+    sequences = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "prompt_ids" in row:
+                prompt, response = (
+                    [int(i) for i in row["prompt_ids"]],
+                    [int(i) for i in row["response_ids"]],
+                )
+            else:
+                prompt = tok.encode(str(row["prompt"]), add_special_tokens=False)
+                response = tok.encode(str(row["response"]), add_special_tokens=False)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a rendered round ({exc!r})") from exc
+        if not prompt or not response:
+            raise ValueError(f"{path}:{number}: prompt and response must both be non-empty")
+        rnd = Round.model_validate(
+            {
+                "index": 0,
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "response_logprobs": [0.0] * len(response),
+                "action": "answer",
+            }
+        )
+        sequences.extend(trajectory_sequences(Trajectory(rounds=[rnd]), full_mode=False))
+    if not sequences:
+        raise ValueError(f"{path} holds no rounds")
+    return sequences
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _loss(
+    model: torch.nn.Module, batch: TrainingBatch, seqs: list[int], config: SftConfig
+) -> float:
+    """Token-mean NLL of ``seqs``' response tokens, accumulated over micro-batches."""
+    total = float(sum(batch.sequences[i].num_trained for i in seqs))
+    device = next(model.parameters()).device
+    value = 0.0
+    for micro in micro_batches(batch, seqs, config.micro_batch_tokens, config.row_tokens):
+        logp, _ = forward_logprobs(model, micro.to(device))
+        loss = -logp.sum() / total
+        loss.backward()
+        value += float(loss.detach())
+    return value
+
+
+def _batches(num_sequences: int, per_step: int, steps: int, seed: int) -> Iterator[list[int]]:
+    """``steps`` batches of sequence indices: epoch-wise shuffles, concatenated."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        while len(order) < per_step:
+            order.extend(rng.sample(range(num_sequences), num_sequences))
+        yield order[:per_step]
+        order = order[per_step:]
+
+
+def _write_policy(model: Any, base_dir: Path, out_dir: Path) -> None:
+    """Export aside, then rename: the folder is whole or absent."""
+    from services.learner.checkpoint import export_hf, tied_parameter_names
+
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    try:
+        export_hf(state, model.config, base_dir, tmp, tied=tied_parameter_names(model))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train_sft(
+    model_path: str | Path,
+    sequences: list[TrainSequence],
+    out_dir: Path,
+    config: SftConfig,
+    device: str = "cpu",
+) -> SftReport:
+    """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.trainer import seed_everything, warmup_factor
+
+    if not sequences:
+        raise ValueError("no sequences to train on")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    seed_everything(config.seed)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = model.to(device)
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(config.warmup_steps))
+    batch = TrainingBatch.of(sequences)
+    per_step = min(config.batch_sequences, len(sequences))
+    steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))
+    losses: list[float] = []
+    tokens, started = 0, time.perf_counter()
+    for step, seqs in enumerate(_batches(len(sequences), per_step, steps, config.seed), start=1):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(_loss(model, batch, seqs, config))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        tokens += sum(len(sequences[i].input_ids) for i in seqs)
+        if step % config.log_every == 0 or step == steps:
+            rate = tokens / (time.perf_counter() - started)
+            log.info("sft step %s/%s loss %.4f tokens/s %.0f", step, steps, losses[-1], rate)
+    _write_policy(model, Path(model_path), out_dir)
+    return SftReport(
+        out_dir=out_dir,
+        steps=steps,
+        sequences=len(sequences),
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        tokens_per_s=tokens / (time.perf_counter() - started),
+    )

@@ -1,0 +1,147 @@
+"""SFT warm start (services/learner/sft.py) and the ``mempo sft`` command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mempo.agent_format import (
+    PreviousRound,
+    format_documents,
+    information_ids,
+    memory_prompt_ids,
+    parse_response,
+)
+from mempo.bm25 import LocalSearch
+from mempo.oracle import Oracle
+from mempo.world import World
+from services.learner.batch import TrainingBatch
+from services.learner.packing import forward_logprobs, micro_batches
+from services.learner.sft import (
+    SftConfig,
+    jsonl_sequences,
+    oracle_rounds,
+    oracle_sequences,
+    train_sft,
+)
+from services.learner.trainer import Trainer
+from services.learner.trainer_config import TrainerConfig
+
+
+@pytest.mark.parametrize("mode", ["memory", "full"])
+def test_oracle_rounds_are_rendered_like_the_rollout_worker(
+    tokenizer: object, world: World, local_search: LocalSearch, mode: str
+) -> None:
+    tok = tokenizer
+    questions, _ = world.tasks("train", 2, 1, seed=3)[0]
+    rounds = oracle_rounds(
+        tok,
+        questions,
+        lambda q: format_documents(local_search.retrieve([q], 3)[0]),
+        Oracle(world),
+        mode,  # type: ignore[arg-type]
+    )
+    assert len(rounds) > 2 and rounds[-1].action == "answer"
+    assert rounds[0].prompt_ids == memory_prompt_ids(tok, questions, None)  # type: ignore[arg-type]
+    for prev, nxt in itertools.pairwise(rounds):
+        text = tok.decode(prev.response_ids.tolist(), skip_special_tokens=True)  # type: ignore[attr-defined]
+        parsed = parse_response(text, require_memory=mode == "memory")
+        assert prev.action == "search" and prev.query == parsed.query
+        if mode == "memory":
+            previous = PreviousRound(parsed.memory or "", parsed.query, prev.information or "")
+            assert nxt.prompt_ids == memory_prompt_ids(tok, questions, previous)  # type: ignore[arg-type]
+            start, end = prev.mem_span or (0, 0)
+            memory = tok.decode(prev.response_ids.tolist()[start:end], skip_special_tokens=True)  # type: ignore[attr-defined]
+            assert memory.strip() == (parsed.memory or "").strip()
+        else:
+            info = information_ids(tok, prev.information or "")  # type: ignore[arg-type]
+            assert nxt.prompt_ids == [*prev.prompt_ids, *prev.response_ids, *info]
+
+
+def test_oracle_sequences_never_train_on_prompts_or_information(tokenizer: object) -> None:
+    sequences = oracle_sequences(tokenizer, tasks=2, k=2, mode="full")  # type: ignore[arg-type]
+    assert len(sequences) == 2  # full mode: one sequence per trajectory
+    for seq in sequences:
+        trained = np.zeros(len(seq.input_ids), dtype=bool)
+        trained[seq.positions] = True
+        text = tokenizer.decode(seq.input_ids[~trained])  # type: ignore[attr-defined]
+        assert text.count("<information>") == len(seq.rounds) - 1
+        assert "<information>" not in tokenizer.decode(seq.input_ids[trained])  # type: ignore[attr-defined]
+
+
+def _nll(model: torch.nn.Module, batch: TrainingBatch) -> float:
+    with torch.no_grad():
+        total = sum(
+            -float(forward_logprobs(model, m)[0].sum())
+            for m in micro_batches(batch, list(range(len(batch.sequences))), 8192, 2048)
+        )
+    return total / batch.num_tokens
+
+
+def test_sft_lowers_the_loss_and_writes_a_loadable_policy(
+    tiny_model_dir: Path, tokenizer: object, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sequences = oracle_sequences(tokenizer, tasks=4, k=1, mode="both")  # type: ignore[arg-type]
+    out = tmp_path / "sft"
+    report = train_sft(
+        tiny_model_dir, sequences, out, SftConfig(steps=12, batch_sequences=8, log_every=4)
+    )
+    assert report.steps == 12 and report.last_loss < 0.7 * report.first_loss
+    batch = TrainingBatch.of(sequences)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tuned = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert _nll(tuned, batch) < 0.7 * _nll(base, batch)
+    assert not list(tmp_path.glob(".tmp-*"))
+    trainer = Trainer(TrainerConfig(beta_kl=0.0), out)  # usable as the policy
+    assert trainer.vocab_size == base.config.vocab_size
+
+
+def test_jsonl_rounds_train_on_the_response_only(tokenizer: object, tmp_path: Path) -> None:
+    path = tmp_path / "rounds.jsonl"
+    rows = [
+        {"prompt": "Question: Who?\n", "response": "<mem>Q1: ?</mem><answer>Zor</answer>"},
+        {"prompt_ids": [5, 6, 7], "response_ids": [8, 9]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    first, second = jsonl_sequences(tokenizer, path)  # type: ignore[arg-type]
+    prompt = tokenizer.encode(rows[0]["prompt"], add_special_tokens=False)  # type: ignore[attr-defined]
+    assert first.positions[0] == len(prompt) and first.positions[-1] == len(first.input_ids) - 1
+    assert second.input_ids.tolist() == [5, 6, 7, 8, 9] and second.positions.tolist() == [3, 4]
+    path.write_text(json.dumps(rows[1]) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
+    with pytest.raises(ValueError, match=r"rounds.jsonl:2"):
+        jsonl_sequences(tokenizer, path)  # type: ignore[arg-type]
+
+
+def test_mempo_sft_command(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from mempo import cli
+
+    cli._mount_extensions()
+    runner = CliRunner()
+    out = tmp_path / "policy"
+    args = [
+        "sft",
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "2",
+        "--tasks",
+        "2",
+    ]
+    result = runner.invoke(cli.app, [*args, "--mode", "full"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and (out / "model.safetensors").is_file()
+    bad = runner.invoke(cli.app, [*args, "--mode", "sideways"])
+    assert bad.exit_code == 2 and "--mode" in bad.output
+    zero_lr = runner.invoke(cli.app, [*args, "--lr", "0"])
+    assert zero_lr.exit_code == 2 and "--lr" in zero_lr.output
