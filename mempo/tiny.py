@@ -48,9 +48,15 @@ class TinyConfig:
     seed: int = 0
     world_seed: int = 0
 
-    def key(self) -> str:
-        fields = {**asdict(self), "recipe": RECIPE_VERSION}
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    def key(self, texts: list[str] | None = None) -> str:
+        """Cache key: the shape, the recipe and the text the tokenizer learns from (so a
+        change to the world or the oracle's format gives a new model, not a stale one)."""
+        digest = hashlib.sha256()
+        digest.update(json.dumps({**asdict(self), "recipe": RECIPE_VERSION}, sort_keys=True).encode())
+        for text in texts if texts is not None else training_texts(self.world_seed):
+            digest.update(text.encode())
+            digest.update(b"\0")
+        return digest.hexdigest()[:12]
 
 
 PRESETS: dict[str, TinyConfig] = {
@@ -142,7 +148,7 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
     )
 
 
-def build_tiny(out_dir: str | Path, config: TinyConfig | None = None) -> Path:
+def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: list[str] | None = None) -> Path:
     """Write tokenizer + randomly initialised Qwen2ForCausalLM (HF format) to ``out_dir``."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -150,7 +156,8 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None) -> Path:
     config = config or TinyConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(training_texts(config.world_seed), config.vocab_size)
+    texts = texts if texts is not None else training_texts(config.world_seed)
+    tokenizer = build_tokenizer(texts, config.vocab_size)
     tokenizer.save_pretrained(out)
     _mark_qwen2(out)
     model_config = Qwen2Config(
@@ -202,13 +209,14 @@ def make_world_readable(directory: Path) -> None:
 def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path:
     """The tiny model for ``config`` under ``cache_dir``, built once (atomic rename)."""
     config = config or TinyConfig()
-    final = Path(cache_dir) / f"tiny-{config.key()}"
+    texts = training_texts(config.world_seed)
+    final = Path(cache_dir) / f"tiny-{config.key(texts)}"
     if (final / "model.safetensors").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
     try:
-        build_tiny(tmp, config)
+        build_tiny(tmp, config, texts)
         try:
             tmp.rename(final)
         except OSError:  # another process won the race: use its copy

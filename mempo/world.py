@@ -86,7 +86,8 @@ _RIVERS_SUFFIX = "River"
 
 # Background sentences: true of the passage's entity but never asked about. They make
 # passages as long as real encyclopedia passages (and the search results as costly to
-# carry), and give a reader text to skip. They name no other entity.
+# carry), and give a reader text to skip. They name no other entity and avoid the words
+# that questions use (city, country, born, works, founded, headquartered, capital).
 _FILL = {
     "topic": "old maps|river trade|glass making|folk songs|tidal patterns|bell casting|salt roads|winter birds|"
     "clockwork|star charts|dye plants|harbour law|paper mills|mountain passes|wool prices".split("|"),
@@ -99,7 +100,7 @@ _FILL = {
 }
 _BACKGROUND = {
     "person": [
-        "Outside work, {first} collects {thing} and plays the {instrument}.",
+        "In spare hours, {first} collects {thing} and plays the {instrument}.",
         "Friends describe {first} as {trait} and {trait2}.",
         "{first} spent several years studying {topic}.",
         "{first} once wrote a long essay about {topic2}.",
@@ -109,8 +110,8 @@ _BACKGROUND = {
         "Each {season}, {first} travels to see the {feature} of distant towns.",
     ],
     "city": [
-        "The city is known for its {feature} and its {feature2}.",
-        "Every {season} the city holds a fair about {topic}.",
+        "It is known for its {feature} and its {feature2}.",
+        "Every {season} a fair about {topic} is held there.",
         "Many residents earn their living in {industry}.",
         "Visitors come to see its {feature2} and to learn about {topic2}.",
         "Its oldest library holds records of {topic} going back many generations.",
@@ -122,14 +123,14 @@ _BACKGROUND = {
         "Its members meet every {season} to discuss {topic}.",
         "It publishes a yearly report on {topic2}.",
         "It keeps a small collection of {thing}.",
-        "Its early work was in {industry}.",
+        "Its first members came from {industry}.",
         "New members are asked to write a short study of {topic2}.",
         "Its offices are decorated with {thing2} given by former members.",
-        "Every {season2} it awards a small prize for work on {topic}.",
+        "Every {season2} it awards a small prize for studies of {topic}.",
         "Its archive contains letters about {industry} and {topic2}.",
     ],
     "country": [
-        "The country is known for its {feature} and its {industry}.",
+        "It is famous for its {feature} and its {industry}.",
         "Its people celebrate the end of {season} with songs about {topic}.",
         "Its museums hold large collections of {thing}.",
         "Its schools teach {instrument} and the history of {topic2}.",
