@@ -64,11 +64,9 @@ class Tags:
 DEFAULT_TAGS = Tags()
 
 INSTRUCTIONS = (
-    "You answer questions by searching a knowledge base. Each round, first write "
-    "<mem>...</mem>: everything you still need, such as the answers found so far; only "
-    "this memory and the latest search result are kept for the next round. Then think "
-    "inside <think>...</think>. Then either search with <search>query</search> or give "
-    'the final answer with <answer>...</answer>, one answer per question joined by "; ".'
+    "Answer by searching. Each round, write <mem>...</mem> with all you still need (only it "
+    "and the latest result are kept), think in <think>...</think>, then <search>query</search> "
+    "or <answer>a1; a2</answer> with one answer per question."
 )
 
 

@@ -2,7 +2,7 @@
 
 It knows each question's chain of relations (not the answers): it searches one hop at a
 time, reads the value out of the retrieved text, and keeps everything it has found in
-its memory, ``Q1: Mirath > Dostania; Q2: ?``. In memory mode that memory is its whole
+its memory, ``Q1 = Dostania; Q2: Velmar Guild > ?; Q3: ?``. In memory mode that memory is its whole
 state (it sees nothing older than the previous round); in full mode it replays the
 history. A failed read is retried once with a second query, then recorded as
 "unknown". Its texts feed SFT, the scripted engine of the rollout tests and the
@@ -46,25 +46,33 @@ class Oracle:
         return specs
 
     @staticmethod
-    def parse_memory(memory: str, k: int) -> list[list[str]]:
-        """``Q1: a > b; Q2: ?`` -> [["a", "b"], []]; anything unreadable counts as nothing found."""
-        state: list[list[str]] = [[] for _ in range(k)]
+    def parse_memory(memory: str, hops: Sequence[int]) -> list[list[str]]:
+        """``Q1 = b; Q2: a > ?; Q3: ?`` -> [[b, b], [a], []] for 2-hop questions.
+
+        A finished question keeps only its answer (``=``, the memory stays short); an open
+        one keeps the values found so far. Anything unreadable counts as nothing found.
+        """
+        state: list[list[str]] = [[] for _ in hops]
         for part in memory.split(";"):
-            match = re.match(r"\s*Q(\d+):\s*(.*)$", part.strip())
-            if not match or not 1 <= int(match.group(1)) <= k:
+            match = re.match(r"\s*Q(\d+)\s*([:=])\s*(.*)$", part.strip())
+            if not match or not 1 <= int(match.group(1)) <= len(hops):
                 continue
-            values = [v.strip() for v in match.group(2).split(">")]
-            state[int(match.group(1)) - 1] = [v for v in values if v and v != "?"]
+            i, done, body = int(match.group(1)) - 1, match.group(2) == "=", match.group(3).strip()
+            if done and body:
+                state[i] = [body] * hops[i]
+            elif not done:
+                values = [v.strip() for v in body.split(">")]
+                state[i] = [v for v in values if v and v != "?"][: max(hops[i] - 1, 0)]
         return state
 
     @staticmethod
     def format_memory(state: list[list[str]], specs: list[Question]) -> str:
         parts = []
         for i, (values, spec) in enumerate(zip(state, specs, strict=True)):
-            shown = " > ".join(values) if values else "?"
-            if values and len(values) < spec.hops:
-                shown += " > ?"
-            parts.append(f"Q{i + 1}: {shown}")
+            if len(values) >= spec.hops:
+                parts.append(f"Q{i + 1} = {values[-1]}")
+            else:
+                parts.append(f"Q{i + 1}: " + " > ".join([*values, "?"]))
         return ANSWER_SEPARATOR.join(parts)
 
     def _pending(self, state: list[list[str]], specs: list[Question]) -> int | None:
@@ -136,7 +144,7 @@ class Oracle:
     ) -> str:
         """Memory mode: the state is the previous memory plus the latest result."""
         specs = self._specs(questions)
-        state = self.parse_memory(memory or "", len(specs))
+        state = self.parse_memory(memory or "", [q.hops for q in specs])
         if query is not None and information is not None:
             self.update(state, specs, query, information)
         return self.next_response(questions, state, query, with_memory=True)[0]

@@ -268,7 +268,7 @@ class WorldConfig:
     orgs: int = 40
     max_hops: int = 2
     test_fraction: float = 0.2
-    background: int = 6  # background sentences per passage (0: facts only); 6 gives ~90-word passages
+    background: int = 7  # background sentences per passage (0: facts only): ~90-word passages
     relations: tuple[str, ...] = tuple(RELATIONS)
     two_hop: tuple[str, ...] = tuple(TWO_HOP)
 
