@@ -270,6 +270,10 @@ def _stats(
         "correct_rate": mean([float(t.correct) for t in trajectories]),
         "format_rate": mean([float(t.format_ok) for t in trajectories]),
         "rounds_mean": mean([len(t.rounds) for t in trajectories]),
+        "tokens_per_trajectory": mean([t.num_tokens for t in trajectories]),
+        "peak_tokens_per_trajectory": mean(
+            [max(len(r.prompt_ids) + len(r.response_ids) for r in t.rounds) for t in trajectories]
+        ),
         "zero_variance_group_frac": mean([float(c) for c in constant]),
         "mem_items": float(len(flat.mem_rewards)),
         "p_mem_mean": mean(flat.p_mem),
