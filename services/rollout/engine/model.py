@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from mempo.weights import map_safetensors
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,18 +84,11 @@ class ModelRunner:
 
     def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check the safetensors in ``path`` against this model's parameters."""
-        from safetensors.torch import load_file
-
         if not path.is_dir():
             raise WeightsError(f"{path} is not a folder")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise WeightsError(f"no *.safetensors in {path}")
-        state: dict[str, torch.Tensor] = {}
-        try:
-            for file in files:
-                state.update(load_file(str(file)))
-        except Exception as exc:  # safetensors raises several types for a broken file
+        try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
+            state = map_safetensors(path)
+        except (OSError, ValueError, RuntimeError) as exc:
             raise WeightsError(f"cannot read {path}: {exc}") from exc
         expected = self.model.state_dict()
         unexpected = sorted(set(state) - set(expected))
@@ -117,7 +112,23 @@ class ModelRunner:
         return state
 
     def apply_weights(self, state: dict[str, torch.Tensor], path: Path) -> None:
-        """Copy checked weights into the model (scheduler thread, between steps)."""
-        self.model.load_state_dict(state, strict=False)
+        """Put checked weights in the model (scheduler thread, between steps).
+
+        The tensors are assigned, not copied (they view the mapped files); tied weights
+        (lm_head = embeddings) are tied again to whichever of them the files hold."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        tied: dict[int, list[str]] = {}
+        for name, param in params.items():
+            tied.setdefault(param.data_ptr(), []).append(name)
+        self.model.load_state_dict(state, strict=False, assign=True)
+        for names in tied.values():  # re-tie each shared group to the tensor that was loaded
+            source = next((n for n in names if n in state), None)
+            if source is None or len(names) == 1:
+                continue
+            loaded = self.model.get_parameter(source)
+            for name in names:
+                if name != source:
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(self.model.get_submodule(owner), leaf, loaded)
         self.model_path = path
         log.info("loaded weights from %s", path)
