@@ -1,9 +1,12 @@
-"""Zero-copy reading of safetensors weights (for engines taking a published version).
+"""safetensors without extra copies: zero-copy reading, and writing straight from tensors.
 
 ``map_safetensors`` maps each file privately (copy-on-write) and returns tensors that
 view the mapping: no bytes are copied until a tensor is written, and a file the learner
 has just written is read straight from the page cache. The mapping stays valid when the
 file is deleted later (the learner's retention), because the mapping holds the inode.
+
+``write_safetensors`` streams each tensor's bytes from its own memory into the file
+(safetensors' ``save_file`` first builds the whole file in memory): one copy per publish.
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -77,3 +80,34 @@ def map_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     for file in files:
         state.update(map_safetensors_file(file))
     return state
+
+
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``tensors`` (CPU) as one safetensors file, data in name order."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    ordered = sorted(tensors.items())
+    for name, tensor in ordered:
+        if tensor.dtype not in _NAMES:
+            raise WeightsFormatError(f"{name}: dtype {tensor.dtype} cannot be stored")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        for _, tensor in ordered:
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            if flat.numel():
+                handle.write(memoryview(flat.view(torch.uint8).numpy()))

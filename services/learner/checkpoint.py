@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from mempo.tiny import make_world_readable
+from mempo.weights import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,6 @@ def export_hf(
     load, and safetensors refuses shared storage, so they are left out. The folder is
     made world-readable (engines in other containers load it).
     """
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in base_dir.iterdir():  # tokenizer, generation config, ...
         if item.is_file() and not _WEIGHT_FILES.fullmatch(item.name) and item.name != "config.json":
@@ -233,7 +232,7 @@ def export_hf(
         for name, t in state.items()
         if name not in tied
     }
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     dtype_name = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
     config_path = out_dir / "config.json"

@@ -39,3 +39,20 @@ def test_bad_files(tmp_path: Path) -> None:
     (tmp_path / "x.safetensors").write_bytes((4).to_bytes(8, "little") + b"nope")
     with pytest.raises(WeightsFormatError, match="header"):
         map_safetensors(tmp_path)
+
+
+def test_write_round_trips_through_safetensors(tmp_path: Path) -> None:
+    from mempo.weights import write_safetensors
+
+    tensors = {
+        "w": torch.randn(4, 3),
+        "b": torch.randn(2).to(torch.bfloat16),
+        "i": torch.arange(5),
+        "z": torch.zeros(0),
+        "t": torch.randn(3, 4).t(),  # not contiguous
+    }
+    write_safetensors(tensors, tmp_path / "m.safetensors", metadata={"format": "pt"})
+    back = load_file(tmp_path / "m.safetensors")
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert all(torch.equal(map_safetensors(tmp_path)[k], v) for k, v in tensors.items())
