@@ -110,4 +110,4 @@ def write_safetensors(
         for _, tensor in ordered:
             flat = tensor.detach().cpu().contiguous().reshape(-1)
             if flat.numel():
-                handle.write(memoryview(flat.view(torch.uint8).numpy()))
+                handle.write(flat.view(torch.uint8).numpy().data)
