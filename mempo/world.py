@@ -89,14 +89,13 @@ _RIVERS_SUFFIX = "River"
 # carry), and give a reader text to skip. They name no other entity and avoid the words
 # that questions use (city, country, born, works, founded, headquartered, capital).
 _FILL = {
-    "topic": "old maps|river trade|glass making|folk songs|tidal patterns|bell casting|salt roads|winter birds|"
-    "clockwork|star charts|dye plants|harbour law|paper mills|mountain passes|wool prices".split("|"),
-    "thing": "copper coins|pressed flowers|old keys|sea shells|clay whistles|travel journals|brass buttons".split("|"),
-    "instrument": "cello|flute|lute|harp|drum|violin|horn".split("|"),
-    "trait": "patient|curious|stubborn|generous|careful|restless|cheerful|quiet".split("|"),
-    "feature": "stone bridges|covered markets|rose gardens|narrow lanes|tall towers|busy docks|painted gates".split("|"),
-    "season": "spring|summer|autumn|winter".split("|"),
-    "industry": "weaving|shipbuilding|printing|farming|mining|brewing|pottery".split("|"),
+    "topic": ["old maps", "river trade", "glass making", "folk songs", "tidal patterns", "bell casting", "salt roads", "winter birds", "clockwork", "star charts", "dye plants", "harbour law", "paper mills", "mountain passes", "wool prices"],
+    "thing": ["copper coins", "pressed flowers", "old keys", "sea shells", "clay whistles", "travel journals", "brass buttons"],
+    "instrument": ["cello", "flute", "lute", "harp", "drum", "violin", "horn"],
+    "trait": ["patient", "curious", "stubborn", "generous", "careful", "restless", "cheerful", "quiet"],
+    "feature": ["stone bridges", "covered markets", "rose gardens", "narrow lanes", "tall towers", "busy docks", "painted gates"],
+    "season": ["spring", "summer", "autumn", "winter"],
+    "industry": ["weaving", "shipbuilding", "printing", "farming", "mining", "brewing", "pottery"],
 }
 _BACKGROUND = {
     "person": [
