@@ -214,8 +214,12 @@ AdminDep = Annotated[None, Depends(require_admin)]
 
 
 def inside_root(path: str, root: str | Path | None) -> Path:
-    """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise)."""
-    resolved = Path(path).expanduser().resolve()
+    """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise; 422 for a
+    string that names no path: a NUL byte, an unknown ``~user``)."""
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise BadInput(f"model_path: not a usable path ({exc})"[:300]) from None
     if root is None:
         return resolved
     root_resolved = Path(root).expanduser().resolve()

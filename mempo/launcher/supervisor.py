@@ -29,6 +29,8 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready_path: str = "/ready"
+    argv: list[str] = field(default_factory=list)  # what ``restart`` runs again
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # holds secrets: never shown
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -66,14 +68,26 @@ class Supervisor:
         if argv and argv[0] == "mempo":
             argv = [sys.executable, "-m", "mempo.cli", *argv[1:]]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with log_path.open("ab") as handle:
-            proc = subprocess.Popen(  # own session: signals reach the child's whole tree
-                argv, stdout=handle, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
-            )
-        child = Child(name, url, proc, log_path, ready_path)
+        proc = _spawn(argv, child_env, log_path)
+        child = Child(name, url, proc, log_path, ready_path, argv, child_env)
         self.children.append(child)
-        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        log.info("started %s (pid %d), log %s", name, child.proc.pid, log_path)
         return child
+
+    def restart(self, child: Child, timeout_s: float = 15.0) -> Child:
+        """Stop ``child`` if it still runs, then start it again: same command, environment
+        and log file (appended to). The ``Child`` object is kept, with its new process."""
+        self.stop(child, timeout_s)
+        child.proc = _spawn(child.argv, child.env, child.log_path)
+        log.info("restarted %s (pid %d)", child.name, child.proc.pid)
+        return child
+
+    def kill(self, child: Child, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``sig`` to the child's whole process group (SIGKILL: a crash; SIGSTOP /
+        SIGCONT: freeze and thaw it)."""
+        _signal_group(child.proc, sig)
+        if sig == signal.SIGKILL:
+            child.proc.wait(timeout=10)
 
     def wait_ready(self, children: Sequence[Child], timeout_s: float = 180.0) -> None:
         """Poll every child's readiness route; fail with its log tail if it dies or times out."""
@@ -109,6 +123,7 @@ class Supervisor:
     def stop(self, child: Child, timeout_s: float = 15.0) -> None:
         if child.alive():
             _signal_group(child.proc, signal.SIGTERM)
+            _signal_group(child.proc, signal.SIGCONT)  # a frozen (SIGSTOP) child acts on it now
             try:
                 child.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -136,6 +151,13 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as handle:
+        return subprocess.Popen(  # own session: signals reach the child's whole tree
+            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -43,7 +43,9 @@ class UpOptions:
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
     seed: int = 0
     display: bool = True
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # every child: under the defaults
+    # Per service ("retrieval", "scorer", "engine", "worker", "learner"): over the defaults.
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     ready_timeout_s: float = 300.0
 
     @property
@@ -58,10 +60,15 @@ class Endpoints:
     learner: str
     engines: list[str]
     workers: list[str]
+    prefix: str = "mempo:"  # the run's Redis key prefix
 
 
 def _env(base: dict[str, str], **values: object) -> dict[str, str]:
     return {**base, **{k: str(v) for k, v in values.items() if v is not None}}
+
+
+def _over(opts: UpOptions, service: str, env: dict[str, str]) -> dict[str, str]:
+    return {**env, **opts.service_env.get(service, {})}
 
 
 def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str) -> Endpoints:
@@ -76,34 +83,38 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
 
     first: list[Child] = [
-        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"],
-                  env=_env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"])),
-        sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_env(
+        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"], env=_over(
+            opts, "retrieval", _env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"]))),
+        sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_over(opts, "scorer", _env(
             one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
             MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=token,
             MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_REDIS_PREFIX=prefix,
-            MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0")),
+            MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0"))),
     ]
     engines, workers = [], []
     for i in range(opts.rollout_replicas):
         port = free_port()
         engines.append(f"http://127.0.0.1:{port}")
-        first.append(sup.start(f"engine-{i}", ["mempo", "rollout", "engine"], url=engines[-1], env=_env(
-            one_thread, MEMPO_ENGINE_PORT=port, MEMPO_ENGINE_MODEL_PATH=model, MEMPO_ENGINE_WEIGHTS_ROOT=weights,
-            MEMPO_ENGINE_ADMIN_TOKEN=token, MEMPO_ENGINE_THREADS=1, MEMPO_ENGINE_SEED=opts.seed + i)))
+        first.append(sup.start(f"engine-{i}", ["mempo", "rollout", "engine"], url=engines[-1], env=_over(
+            opts, "engine", _env(
+                one_thread, MEMPO_ENGINE_PORT=port, MEMPO_ENGINE_MODEL_PATH=model,
+                MEMPO_ENGINE_WEIGHTS_ROOT=weights, MEMPO_ENGINE_ADMIN_TOKEN=token,
+                MEMPO_ENGINE_THREADS=1, MEMPO_ENGINE_SEED=opts.seed + i))))
     sup.wait_ready(first, opts.ready_timeout_s)
 
     second: list[Child] = []
     for i, engine in enumerate(engines):
         port = free_port()
         workers.append(f"http://127.0.0.1:{port}")
-        second.append(sup.start(f"worker-{i}", ["mempo", "rollout", "worker"], url=workers[-1], env=_env(
-            one_thread, MEMPO_ROLLOUT_PORT=port, MEMPO_ROLLOUT_REDIS_URL=redis_url, MEMPO_ROLLOUT_KEY_PREFIX=prefix,
-            MEMPO_ROLLOUT_WORKER_ID=f"worker-{i}", MEMPO_ROLLOUT_ENGINE_URL=engine,
-            MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=token, MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
-            MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
-            MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
-            MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000)))
+        second.append(sup.start(f"worker-{i}", ["mempo", "rollout", "worker"], url=workers[-1], env=_over(
+            opts, "worker", _env(
+                one_thread, MEMPO_ROLLOUT_PORT=port, MEMPO_ROLLOUT_REDIS_URL=redis_url,
+                MEMPO_ROLLOUT_KEY_PREFIX=prefix, MEMPO_ROLLOUT_WORKER_ID=f"worker-{i}",
+                MEMPO_ROLLOUT_ENGINE_URL=engine, MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=token,
+                MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
+                MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
+                MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
+                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000))))
     learner_env = _env(
         opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
         MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,
@@ -115,9 +126,10 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
     )
-    second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"], env=learner_env))
+    second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
+                            env=_over(opts, "learner", learner_env)))
     sup.wait_ready(second, opts.ready_timeout_s)
-    return Endpoints(url["retrieval"], url["scorer"], url["learner"], engines, workers)
+    return Endpoints(url["retrieval"], url["scorer"], url["learner"], engines, workers, prefix)
 
 
 def snapshot(http: httpx.Client, ends: Endpoints) -> Snapshot:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from mempo.settings import ServiceSettings
@@ -23,8 +23,8 @@ class RetrievalSettings(ServiceSettings):
     """Requests with a larger body get 413."""
 
     index_path: Path | None = None
-    """Index folder written by ``mempo retrieval build``. Unset: index the built-in
-    synthetic world's corpus at start-up (zero set-up)."""
+    """Index folder written by ``mempo retrieval build``. Unset or empty: index the
+    built-in synthetic world's corpus at start-up (zero set-up)."""
 
     backend: BackendName | None = None
     """Which search to serve. Unset: what the index holds (hybrid when it holds both
@@ -76,3 +76,10 @@ class RetrievalSettings(ServiceSettings):
 
     encode_batch_size: int = Field(default=64, ge=1)
     """Dense: queries (or, for the built-in world, passages) encoded per forward pass."""
+
+    @field_validator("index_path", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # docker-compose.yml passes MEMPO_RETRIEVAL_INDEX_PATH="" for "no index";
+        # Path("") would be the working directory.
+        return None if isinstance(value, str) and not value.strip() else value

@@ -60,7 +60,11 @@ async def update_weights(
 ) -> Response:
     """Load HF weights from a folder inside the weights root (SGLang's route and shapes)."""
     path = inside_root(body.model_path, scorer.settings.weights_root)
-    if not path.is_dir():
+    try:
+        is_folder = path.is_dir()
+    except OSError:  # a name longer than the file system allows
+        is_folder = False
+    if not is_folder:
         failed = UpdateWeightsResponse(success=False, message=f"model_path: {path} is not a folder")
         return JSONResponse(failed.model_dump(), 400)
     try:

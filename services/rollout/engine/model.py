@@ -84,7 +84,11 @@ class ModelRunner:
 
     def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check the safetensors in ``path`` against this model's parameters."""
-        if not path.is_dir():
+        try:
+            is_folder = path.is_dir()
+        except OSError:  # a name longer than the file system allows
+            is_folder = False
+        if not is_folder:
             raise WeightsError(f"{path} is not a folder")
         try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
             state = map_safetensors(path)

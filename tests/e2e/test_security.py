@@ -1,0 +1,432 @@
+"""Security: admin routes need the token, weights load only from the weights root, and no
+secret ever reaches a log, a status page or a file of the run.
+
+In-process (each app's create_app + lifespan behind httpx.ASGITransport):
+- the admin routes of every service are exactly the known ones, and every other route is
+  on a public list, so a new route cannot slip in without a decision;
+- every admin route answers 401 without a token (or with another scheme) and 403 with a
+  wrong one, and a refused call changes nothing; the right token works;
+- a model_path outside the weights root (absolute, ``..``, a symlink, a sibling with the
+  same prefix, ``~``) is 403 on the engine and the scorer, a path that cannot name a folder
+  is 422 or 400, never a 500, and the weights stay as they were;
+- public routes need no token.
+
+Real processes (``e2e``): the ``mempo up`` services (``start_services``, with the random
+admin token it makes) on a redis-server with a password, logging at DEBUG; refused admin
+calls with wrong tokens, one training step whose weights the learner pushes with the
+token, a Redis outage (every service logs its connection errors); then neither token, the
+password nor the wrong tokens appear in any log, any file of the run (checkpoints, metrics,
+weights, Redis's log and append-only file) or any status page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from mempo.service import require_admin
+
+TOKEN = secrets.token_hex(16)
+WRONG = secrets.token_hex(16)
+
+# (method, path) -> a body that would act if the token were right.
+ENGINE_ADMIN: dict[tuple[str, str], Any] = {
+    ("POST", "/update_weights_from_disk"): "v1",  # filled with the weights root's v1
+    ("POST", "/flush_cache"): None,
+    ("GET", "/flush_cache"): None,
+    ("POST", "/pause_generation"): {"mode": "in_place"},
+    ("POST", "/continue_generation"): {},
+    ("POST", "/abort_request"): {"abort_all": True},
+}
+SCORER_ADMIN: dict[tuple[str, str], Any] = {("POST", "/update_weights_from_disk"): "v1"}
+OPS = {("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")}
+PUBLIC = {
+    "engine": OPS | {
+        ("POST", "/generate"), ("PUT", "/generate"), ("GET", "/health_generate"),
+        ("GET", "/model_info"), ("GET", "/get_model_info"),
+        ("GET", "/server_info"), ("GET", "/get_server_info"),
+    },
+    "scorer": OPS | {("POST", "/v1/memory-scores"), ("POST", "/v1/score"), ("GET", "/model_info")},
+    "retrieval": OPS | {("POST", "/retrieve"), ("GET", "/v1/info")},
+    "worker": OPS | {("GET", "/v1/status"), ("POST", "/v1/episodes")},
+    "learner": OPS | {("GET", "/v1/status")},
+}  # fmt: skip
+ADMIN = {"engine": set(ENGINE_ADMIN), "scorer": set(SCORER_ADMIN)}
+
+
+def refused(token: str) -> list[tuple[dict[str, str], int]]:
+    """Authorization headers that must not pass ``token``'s check, and the status of each."""
+    return [
+        ({}, 401),
+        ({"Authorization": "Bearer"}, 401),
+        ({"Authorization": "Bearer "}, 401),
+        ({"Authorization": f"Basic {token}"}, 401),
+        ({"Authorization": token}, 401),
+        ({"Authorization": f"Bearer {WRONG}"}, 403),
+        ({"Authorization": f"Bearer {token[:-1]}"}, 403),
+        ({"Authorization": f"Bearer {token}x"}, 403),
+        ({"Authorization": f"Bearer {token.upper()}"}, 403),
+    ]
+
+
+REFUSED = refused(TOKEN)
+RIGHT = {"Authorization": f"Bearer {TOKEN}"}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A weights root with v1/ (the tiny model), and loadable copies just outside it."""
+    base = tmp_path_factory.mktemp("security")
+    root = base / "weights"
+    shutil.copytree(tiny_model_dir, root / "v1")
+    shutil.copytree(tiny_model_dir, base / "outside")
+    shutil.copytree(tiny_model_dir, base / "weights-sibling" / "v1")  # same string prefix
+    (root / "link").symlink_to(base / "outside", target_is_directory=True)
+    (root / "empty").mkdir()
+    return SimpleNamespace(root=root, base=base)
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with its lifespan running, behind an in-process client (500s stay answers)."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            await wait_ready(client)
+            yield client
+
+
+async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (reply := await client.get("/ready")).status_code != 200:
+        assert time.monotonic() < deadline, f"not ready: {reply.text}"
+        await asyncio.sleep(0.1)
+
+
+def engine_app(model: Path, root: Path) -> FastAPI:
+    from services.rollout.engine.app import create_app
+    from services.rollout.engine.settings import EngineSettings
+
+    return create_app(
+        EngineSettings(
+            model_path=str(model), weights_root=str(root), admin_token=TOKEN,  # type: ignore[arg-type]
+            threads=1, drain_timeout_s=1.0,
+        )
+    )  # fmt: skip
+
+
+def scorer_app(model: Path, root: Path) -> FastAPI:
+    from services.scorer.app import create_app
+    from services.scorer.settings import ScorerSettings
+
+    return create_app(
+        ScorerSettings(
+            model_path=str(model), weights_root=str(root), admin_token=TOKEN,  # type: ignore[arg-type]
+            device="cpu", max_wait_ms=1.0,
+        )
+    )  # fmt: skip
+
+
+APPS: dict[str, Callable[[Path, Path], FastAPI]] = {"engine": engine_app, "scorer": scorer_app}
+
+
+def all_apps(model: Path, root: Path) -> dict[str, FastAPI]:
+    """Every service's app, built but not started (routes only)."""
+    from services.learner.app import create_app as learner
+    from services.learner.settings import LearnerSettings
+    from services.retrieval.app import create_app as retrieval
+    from services.retrieval.settings import RetrievalSettings
+    from services.rollout.app import create_app as worker
+    from services.rollout.settings import WorkerSettings
+
+    return {
+        "engine": engine_app(model, root),
+        "scorer": scorer_app(model, root),
+        "retrieval": retrieval(RetrievalSettings(admin_token=TOKEN)),  # type: ignore[arg-type]
+        "worker": worker(WorkerSettings(admin_token=TOKEN, redis_url="")),  # type: ignore[arg-type]
+        "learner": learner(LearnerSettings(admin_token=TOKEN)),  # type: ignore[arg-type]
+    }
+
+
+def api_routes(
+    routes: Iterable[Any], prefix: str = "", admin: bool = False
+) -> Iterator[tuple[str, str, bool]]:
+    """(method, path, needs the admin token) of every route, included routers' too
+    (FastAPI >= 0.16x keeps an included router as one entry of ``app.routes``)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            for method in (route.methods or set()) - {"HEAD"}:
+                yield method, prefix + route.path, admin or needs_admin(route)
+        elif hasattr(route, "original_router"):
+            context = getattr(route, "include_context", None)
+            guarded = any(
+                d.dependency is require_admin for d in getattr(context, "dependencies", [])
+            )
+            inner = prefix + getattr(context, "prefix", "")
+            yield from api_routes(route.original_router.routes, inner, admin or guarded)
+
+
+def needs_admin(route: APIRoute) -> bool:
+    stack, seen = [route.dependant], False
+    while stack:
+        dependant = stack.pop()
+        seen = seen or dependant.call is require_admin
+        stack.extend(dependant.dependencies)
+    return seen
+
+
+async def call(
+    client: httpx.AsyncClient, method: str, path: str, body: Any, headers: dict[str, str]
+) -> httpx.Response:
+    kwargs: dict[str, Any] = {"headers": headers}
+    if method != "GET":
+        kwargs["json"] = body if body is not None else {}
+    return await client.request(method, path, **kwargs)
+
+
+def resolved_body(body: Any, root: Path) -> Any:
+    return {"model_path": str(root / body), "weight_version": "7"} if body == "v1" else body
+
+
+# --------------------------------------------------------------------------- admin routes
+
+
+def test_admin_routes_are_exactly_the_known_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for service, app in all_apps(tiny_model_dir, tmp_path).items():
+        routes = {(method, path): is_admin for method, path, is_admin in api_routes(app.routes)}
+        admin = {key for key, is_admin in routes.items() if is_admin}
+        assert admin == ADMIN.get(service, set()), f"{service}: admin routes {sorted(admin)}"
+        unknown = set(routes) - admin - PUBLIC[service]
+        assert not unknown, f"{service}: routes neither admin nor known public: {unknown}"
+        assert PUBLIC[service] <= set(routes), f"{service}: {PUBLIC[service] - set(routes)}"
+
+
+@pytest.mark.parametrize("service", ["engine", "scorer"])
+async def test_admin_routes_refuse_missing_and_wrong_tokens(
+    service: str, tiny_model_dir: Path, weights: SimpleNamespace
+) -> None:
+    routes = ENGINE_ADMIN if service == "engine" else SCORER_ADMIN
+    async with serving(APPS[service](tiny_model_dir, weights.root)) as client:
+        before = (await client.get("/model_info")).json()
+        for (method, path), body in routes.items():
+            for headers, status in REFUSED:
+                reply = await call(client, method, path, resolved_body(body, weights.root), headers)
+                assert reply.status_code == status, (method, path, headers, reply.text)
+                assert TOKEN not in reply.text and WRONG not in reply.text
+                if status == 401:
+                    assert reply.headers.get("www-authenticate") == "Bearer"
+        # Nothing a refused call asked for happened: same weights, not paused.
+        assert (await client.get("/model_info")).json() == before
+        assert (await client.get("/ready")).status_code == 200
+        # The right token works, whatever the case of the scheme.
+        for (method, path), body in routes.items():
+            for scheme in ("Bearer", "bearer"):
+                headers = {"Authorization": f"{scheme} {TOKEN}"}
+                reply = await call(client, method, path, resolved_body(body, weights.root), headers)
+                assert reply.status_code == 200, (method, path, reply.text)
+                if path == "/pause_generation":
+                    assert (await client.get("/ready")).status_code == 503  # it did pause
+                    await call(client, "POST", "/continue_generation", {}, RIGHT)
+        info = (await client.get("/model_info")).json()
+        assert info["weight_version"] == "7" and info["model_path"] == str(weights.root / "v1")
+
+
+def outside_paths(weights: SimpleNamespace) -> list[str]:
+    root: Path = weights.root
+    return [
+        str(weights.base / "outside"),
+        f"{root}/../outside",
+        str(root / "link"),  # a symlink inside the root to a folder outside it
+        str(weights.base / "weights-sibling" / "v1"),
+        "/",
+        str(root.parent),
+        "outside",  # relative: the process's working directory
+        "~",
+    ]
+
+
+def invalid_paths(weights: SimpleNamespace) -> list[str]:
+    root: Path = weights.root
+    return [
+        f"{root}/v1\x00",  # NUL: no file system path
+        "~no-such-user-mempo/v1",  # a home directory that does not exist
+        str(root / ("x" * 300)),  # a name longer than the file system allows
+        str(root / "v1" / "config.json"),  # a file, not a folder
+        str(root / "empty"),
+        str(root / "missing"),
+    ]
+
+
+@pytest.mark.parametrize("service", ["engine", "scorer"])
+async def test_weights_load_only_from_inside_the_root(
+    service: str, tiny_model_dir: Path, weights: SimpleNamespace
+) -> None:
+    async with serving(APPS[service](tiny_model_dir, weights.root)) as client:
+        before = (await client.get("/model_info")).json()
+        for path in outside_paths(weights):
+            body = {"model_path": path, "weight_version": "9"}
+            reply = await client.post("/update_weights_from_disk", json=body, headers=RIGHT)
+            assert reply.status_code == 403, (path, reply.text)
+            assert "weights root" in reply.json()["message"]
+        for path in invalid_paths(weights):
+            body = {"model_path": path, "weight_version": "9"}
+            reply = await client.post("/update_weights_from_disk", json=body, headers=RIGHT)
+            assert reply.status_code in (400, 422), (path, reply.status_code, reply.text)
+        assert (await client.get("/model_info")).json() == before  # nothing was loaded
+        inside = {"model_path": f"{weights.root}/empty/../v1", "weight_version": "9"}
+        reply = await client.post("/update_weights_from_disk", json=inside, headers=RIGHT)
+        assert reply.status_code == 200 and reply.json()["success"] is True, reply.text
+        assert (await client.get("/model_info")).json()["weight_version"] == "9"
+
+
+# --------------------------------------------------------------------------- public routes
+
+
+async def test_public_routes_need_no_token(tiny_model_dir: Path, tmp_path: Path) -> None:
+    apps = all_apps(tiny_model_dir, tmp_path)
+    calls: dict[str, list[tuple[str, str, Any]]] = {
+        "engine": [
+            ("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}),
+            ("GET", "/health_generate", None), ("GET", "/model_info", None),
+            ("GET", "/get_model_info", None), ("GET", "/server_info", None),
+        ],
+        "scorer": [
+            ("POST", "/v1/score", {"items": [{"context": "Bothi was born in", "answers": ["Mirath"]}]}),
+            ("POST", "/v1/memory-scores", {"questions": ["q?"], "answers": [["a"]],
+                                           "rounds": [{"memory": "m", "transcript": "t"}]}),
+            ("GET", "/model_info", None),
+        ],
+        "retrieval": [("POST", "/retrieve", {"queries": ["Bothi"]}), ("GET", "/v1/info", None)],
+    }  # fmt: skip
+    for service, requests in calls.items():
+        async with serving(apps[service]) as client:
+            for method, path, body in [*requests, *[(m, p, None) for m, p in sorted(OPS)]]:
+                reply = await call(client, method, path, body, {})
+                assert reply.status_code == 200, (service, method, path, reply.text)
+
+
+# --------------------------------------------------------------------------- no secret is logged
+
+
+def process_environment(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        pytest.skip("needs /proc to read what the children were given")
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
+
+
+@pytest.mark.e2e
+def test_no_secret_reaches_a_log_a_file_or_a_status_page(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``mempo up``'s services (its own random admin token for the engines and the scorer;
+    TOKEN on the other three) on a Redis with a password, logging at DEBUG."""
+    from mempo.launcher import up
+    from mempo.launcher.supervisor import Supervisor
+    from tests.e2e.live_services import PasswordRedis, find_secrets
+
+    password = secrets.token_hex(16)
+    debug = {
+        f"MEMPO_{p}_LOG_LEVEL": "DEBUG"
+        for p in ("RETRIEVAL", "SCORER", "ENGINE", "ROLLOUT", "LEARNER")
+    }
+    tokens = {f"MEMPO_{p}_ADMIN_TOKEN": TOKEN for p in ("RETRIEVAL", "ROLLOUT", "LEARNER")}
+    opts = up.UpOptions(
+        name="secrets", steps=1, runs_root=tmp_path, questions_per_task="1", group_size=2,
+        batch_groups=1, max_rounds=2, max_staleness=0, display=False,
+        extra_env={**debug, **tokens}, ready_timeout_s=180,
+    )  # fmt: skip
+    run = opts.run_dir.resolve()
+    redis = PasswordRedis(run / "redis", password).start()
+    try:
+        assert redis.ping(password="").startswith(b"-NOAUTH")  # the password is required
+        with Supervisor(run) as sup:
+            ends = up.start_services(sup, opts, tiny_model_dir, redis.url)
+            env = {c.name: process_environment(c.proc.pid) for c in sup.children}
+            run_token = env["engine-0"]["MEMPO_ENGINE_ADMIN_TOKEN"]
+            assert len(run_token) >= 16 and env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"] == run_token
+            assert all(password in e[f"MEMPO_{p}_REDIS_URL"] for e, p in (
+                (env["scorer"], "SCORER"), (env["worker-0"], "ROLLOUT"), (env["learner"], "LEARNER")
+            ))  # fmt: skip
+            pages = exercise(ends, run / "weights", run_token)
+            redis.stop()  # an outage: the services log their connection errors
+            time.sleep(3.0)
+            redis.start()
+            sup.wait_ready(sup.children, 60)  # every service is back
+            pages |= {f"after the outage: {k}": v for k, v in status_pages(ends).items()}
+            sup.check()
+    finally:
+        redis.stop()
+    secret = {"run token": run_token, "admin token": TOKEN, "redis password": password,
+              "wrong token": WRONG}  # fmt: skip
+    leaks = [f"{name}: {label}" for name, page in pages.items()
+             for label, value in secret.items() if value in page]  # fmt: skip
+    assert not leaks, f"secrets in status pages: {leaks}"
+    logs = sorted((run / "logs").glob("*.log"))
+    assert len(logs) == 5 and all(p.stat().st_size > 0 for p in logs), logs
+    assert any(" DEBUG " in p.read_text() for p in logs), "the services did not log at DEBUG"
+    assert (run / "redis" / "redis.log").stat().st_size > 0
+    assert not find_secrets(run, secret), "secrets on disk"
+
+
+def exercise(ends: Any, weights_root: Path, token: str) -> dict[str, str]:
+    """Refused admin calls, one training step with its weight push; every status page."""
+    admin_urls = [ends.scorer, *ends.engines]
+    with httpx.Client(timeout=30) as http:
+        for base in admin_urls:
+            body = {"model_path": str(weights_root / "v0"), "weight_version": "5"}
+            for headers, status in refused(token):
+                if any(v != v.strip() for v in headers.values()):
+                    continue  # h11 will not send a header value with trailing whitespace
+                reply = http.post(f"{base}/update_weights_from_disk", json=body, headers=headers)
+                assert reply.status_code == status, (base, headers, reply.text)
+            outside = {"model_path": "/etc", "weight_version": "5"}
+            right = {"Authorization": f"Bearer {token}"}
+            reply = http.post(f"{base}/update_weights_from_disk", json=outside, headers=right)
+            assert reply.status_code == 403, reply.text
+        deadline = time.monotonic() + 120
+        while True:  # the learner trains one step and pushes v1 with the token
+            status = http.get(f"{ends.learner}/v1/status").json()
+            versions = [http.get(f"{u}/model_info").json()["weight_version"] for u in admin_urls]
+            if status["step"] >= 1 and versions == [str(status["version"])] * len(versions):
+                break
+            assert status["state"] != "failed", status
+            assert time.monotonic() < deadline, f"no weight push: {status}, {versions}"
+            time.sleep(1.0)
+        assert status["version"] >= 1 and status["last_publish"]["updated"], status
+    return status_pages(ends)
+
+
+def status_pages(ends: Any) -> dict[str, str]:
+    """Every read-only page of every service, fetched without a token."""
+    pages = {}
+    services = {"retrieval": ends.retrieval, "scorer": ends.scorer, "learner": ends.learner}
+    services |= {f"engine-{i}": u for i, u in enumerate(ends.engines)}
+    services |= {f"worker-{i}": u for i, u in enumerate(ends.workers)}
+    with httpx.Client(timeout=30) as http:
+        for name, base in services.items():
+            for path in ("/metrics", "/v1/status", "/model_info", "/server_info", "/v1/info",
+                         "/ready", "/health", "/openapi.json"):  # fmt: skip
+                reply = http.get(f"{base}{path}")
+                if reply.status_code != 404:
+                    assert reply.status_code == 200, (name, path, reply.text)  # no token needed
+                    pages[f"{name}{path}"] = reply.text
+    assert {"learner/v1/status", "worker-0/v1/status", "engine-0/server_info"} <= set(pages)
+    return pages
