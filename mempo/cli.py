@@ -131,6 +131,23 @@ def up(
     }, indent=1))  # fmt: skip
 
 
+@app.command("plot")
+def plot_cmd(
+    run: Annotated[Path, typer.Argument(help="run folder holding metrics.jsonl (runs/<name>, or a learner's RUN_DIR)")],
+) -> None:
+    """Draw a run's PNG plots from its metrics.jsonl (what ``mempo up`` does at the end)."""
+    from mempo.launcher.plots import plot_run
+
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        fail(f"{metrics} not found: give a run folder that holds metrics.jsonl")
+    written = plot_run(metrics, run)
+    if not written:
+        fail(f"{metrics} holds no step with figures to plot")
+    for path in written:
+        typer.echo(str(path))
+
+
 @app.command("eval")
 def evaluate_cmd(
     model: Annotated[Path, typer.Option(help="policy to evaluate (HF folder, e.g. runs/<name>/weights/v20)")],
@@ -184,6 +201,7 @@ _EXTENSIONS = [
     ("services.scorer.cli", "scorer"),
     ("services.rollout.cli", "rollout"),
     ("services.learner.cli", "learner"),
+    ("mempo.docs_config", "docs"),
 ]
 
 
