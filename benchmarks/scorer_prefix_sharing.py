@@ -5,7 +5,8 @@ A group of 16 trajectories with T in {2, 4, 8} rounds from the synthetic world's
 200-400 tokens a round), scored on the tiny model (CPU fp32 here; CUDA bf16 if present).
 
 - naive_s:   one plain forward per (context, candidate), the reference path
-- shared_s:  the scorer's prefix-shared path (trunk forward + one branch forward)
+- shared_s:  the scorer's prefix-shared path as the service runs it (sub-batches of
+             similar length; per sub-batch a trunk forward + branch forwards)
 - forward_s: one plain no-grad forward (with logits) over the same 16 full transcripts,
              i.e. the learner's old-log-prob pass
 
@@ -34,9 +35,10 @@ from mempo.bm25 import LocalSearch
 from mempo.oracle import Oracle
 from mempo.tiny import default_cache_dir, ensure_tiny
 from mempo.world import World, WorldConfig
-from services.scorer.forward import naive_logprobs, shared_logprobs
+from services.scorer.forward import score_rows
 from services.scorer.model import load_model
 from services.scorer.plan import Plan, plan_memory
+from services.scorer.settings import ScorerSettings
 
 GROUP = 16
 
@@ -106,14 +108,16 @@ def run(model_path: Path, rounds: int, repeats: int) -> dict[str, float | int]:
         batch[b, : len(ids)] = torch.tensor(ids)
     batch = batch.to(loaded.device)
 
+    budget = ScorerSettings().max_batch_tokens  # the service's sub-batching, as it runs
+
     @torch.no_grad()
     def forward() -> object:
         return model(input_ids=batch).logits
 
     seconds = timed(
         {
-            "naive": lambda: naive_logprobs(model, plan.rows),
-            "shared": lambda: shared_logprobs(model, plan.rows, loaded.pad_id),
+            "naive": lambda: score_rows(model, plan.rows, budget, "naive"),
+            "shared": lambda: score_rows(model, plan.rows, budget, "shared", loaded.pad_id),
             "forward": forward,
         },
         repeats,

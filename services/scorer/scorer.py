@@ -22,7 +22,7 @@ from mempo.api.scorer import (
 )
 from mempo.service import BadInput, Metrics, TooLarge
 from services.scorer.batcher import Batcher
-from services.scorer.forward import naive_logprobs, shared_logprobs
+from services.scorer.forward import score_rows
 from services.scorer.model import LoadedModel, ModelHolder
 from services.scorer.plan import (
     LogProbTable,
@@ -36,18 +36,6 @@ from services.scorer.plan import (
 from services.scorer.settings import ScorerSettings
 
 log = logging.getLogger(__name__)
-
-
-def sub_batches(rows: Sequence[Row], budget: int) -> list[list[int]]:
-    """Row indices grouped by size so that rows x longest row stays within ``budget``."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i].num_tokens, reverse=True)
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and rows[batches[-1][0]].num_tokens * (len(batches[-1]) + 1) <= budget:
-            batches[-1].append(i)  # the first row of a batch is its longest
-        else:
-            batches.append([i])
-    return batches
 
 
 class ScorerService:
@@ -92,14 +80,9 @@ class ScorerService:
 
     def _run_rows(self, rows: Sequence[Row]) -> tuple[LogProbTable, str]:
         loaded = self.holder.current  # one snapshot for the whole batch
-        table: LogProbTable = {}
-        for group in sub_batches(rows, self.settings.max_batch_tokens):
-            chosen = [rows[i] for i in group]
-            if self.settings.method == "naive":
-                part = naive_logprobs(loaded.model, chosen)
-            else:
-                part = shared_logprobs(loaded.model, chosen, loaded.pad_id)
-            table.update({(group[r], s): v for (r, s), v in part.items()})
+        table = score_rows(
+            loaded.model, rows, self.settings.max_batch_tokens, self.settings.method, loaded.pad_id
+        )
         self._contexts.inc(sum(len(r.scored_segments()) for r in rows))
         return table, loaded.version
 

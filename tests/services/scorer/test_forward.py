@@ -11,10 +11,16 @@ import torch
 from mempo import agent_format as fmt
 from mempo.api.scorer import ChatMessage, ScoreItem
 from mempo.world import World
-from services.scorer.forward import _passes, naive_logprobs, shared_logprobs
+from services.scorer.forward import (
+    MIN_FILL,
+    _passes,
+    naive_logprobs,
+    score_rows,
+    shared_logprobs,
+    sub_batches,
+)
 from services.scorer.model import LoadedModel
 from services.scorer.plan import Plan, Row, memory_results, plan_item, plan_memory
-from services.scorer.scorer import sub_batches
 
 from .conftest import random_trajectory
 
@@ -128,9 +134,25 @@ def test_p_by_hand_with_a_plain_forward(loaded: LoadedModel) -> None:
     assert scores[0].reward == pytest.approx(scores[0].p_mem - scores[0].p_full)
 
 
-def test_sub_batches_respect_the_budget() -> None:
-    rows = [Row(trunk=[1] * n) for n in (10, 50, 20, 40, 30)]
-    groups = sub_batches(rows, budget=100)
-    assert sorted(i for g in groups for i in g) == list(range(5))
+def test_sub_batches_respect_the_budget_and_bound_padding() -> None:
+    rows = [Row(trunk=[1] * n) for n in (10, 50, 20, 40, 30, 48, 47, 46, 12)]
+    groups = sub_batches(rows, budget=150)
+    assert sorted(i for g in groups for i in g) == list(range(len(rows)))
     for g in groups:
-        assert len(g) == 1 or max(rows[i].num_tokens for i in g) * len(g) <= 100
+        longest = max(rows[i].num_tokens for i in g)
+        assert len(g) == 1 or longest * len(g) <= 150
+        assert min(rows[i].num_tokens for i in g) >= MIN_FILL * longest
+    assert [50, 48, 47] in [[rows[i].num_tokens for i in g] for g in groups]  # budget: 3 x 50
+
+
+def test_score_rows_in_sub_batches_equals_one_batch(loaded: LoadedModel, world: World) -> None:
+    rng = random.Random(5)
+    plan = Plan()
+    for _ in range(6):
+        plan_memory(plan, loaded.tokenizer, random_trajectory(rng, world, rng.randint(1, 8)), "best")
+    whole = shared_logprobs(loaded.model, plan.rows, loaded.pad_id)
+    split = score_rows(loaded.model, plan.rows, budget=600, pad_id=loaded.pad_id)
+    assert len(sub_batches(plan.rows, 600)) > 1
+    assert split.keys() == whole.keys()
+    for key, values in whole.items():
+        assert split[key] == pytest.approx(values, abs=1e-5)
