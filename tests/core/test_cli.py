@@ -1,0 +1,56 @@
+"""The core CLI: bad arguments exit 2 with a message; ``mempo plot`` draws a run's figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mempo.cli import app
+from mempo.launcher.plots import PANELS
+
+runner = CliRunner()
+
+
+def test_plot_draws_every_panel_of_a_run(tmp_path: Path) -> None:
+    rows = [
+        {"step": s, "reward_mean": 0.1 * s, "correct_rate": 0.1 * s, "format_rate": 1.0,
+         "mem_reward_mean": 0.01, "p_mem_mean": 0.2, "p_full_mean": 0.19,
+         "tokens_per_trajectory": 900.0, "kl": 0.001, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        for s in range(1, 4)
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    result = runner.invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for name, _, _ in PANELS:
+        assert (tmp_path / name).stat().st_size > 1000
+        assert str(tmp_path / name) in result.output
+
+
+@pytest.mark.parametrize(
+    ("content", "message"), [(None, "not found"), ('{"step": 1}\n', "no step with figures")]
+)
+def test_plot_refuses_a_folder_without_figures(tmp_path: Path, content: str | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    result = runner.invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--mode", "both"], "--mode must be memory or full"),
+        (["up", "--model", "/nonexistent"], "not an HF model folder"),
+        (["eval", "--model", "/nonexistent"], "not an HF model folder"),
+        (["tiny", "build", "--out", "x", "--preset", "huge"], "unknown preset"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str) -> None:
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
