@@ -98,7 +98,6 @@ def up(
     """Run the whole training loop on this machine (CPU, no set-up), then plot it."""
     import time
 
-    from mempo.launcher.supervisor import ChildFailed
     from mempo.launcher.up import UpOptions, run_up
     from mempo.launcher.warmstart import WarmStart, warm_started_policy
 
@@ -117,7 +116,7 @@ def up(
     policy = model.resolve() if model else warm_started_policy(WarmStart())
     try:
         final = run_up(opts, policy)
-    except ChildFailed as exc:
+    except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -162,7 +161,6 @@ def evaluate_cmd(
     from rich.table import Table
 
     from mempo.launcher.evaluate import EvalOptions, evaluate, plot_eval
-    from mempo.launcher.supervisor import ChildFailed
 
     if not (model / "config.json").exists():
         fail(f"--model {model} is not an HF model folder (no config.json)")
@@ -179,7 +177,7 @@ def evaluate_cmd(
     opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score)
     try:
         report = evaluate(model.resolve(), out, opts)
-    except ChildFailed as exc:
+    except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     (out / "eval.json").write_text(json.dumps(report, indent=1))

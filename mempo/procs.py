@@ -49,7 +49,7 @@ class RedisServer:
     """A private redis-server on a free loopback port, in its own directory."""
 
     def __init__(self, directory: Path, port: int | None = None, appendonly: bool = False) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()  # redis chdirs to --dir before --logfile
         self.port = port or free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None

@@ -20,7 +20,7 @@ import httpx
 
 from mempo.launcher.plots import plot_run
 from mempo.launcher.progress import Progress, Snapshot
-from mempo.launcher.supervisor import Child, Supervisor
+from mempo.launcher.supervisor import Child, ChildFailed, Supervisor
 from mempo.procs import RedisServer, free_port
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progres
             progress.update(snap)
             state = snap.status.get("state")
             if state == "failed":
-                raise RuntimeError(f"the learner failed: {snap.status.get('error')}")
+                raise ChildFailed(f"the learner failed: {snap.status.get('error')} (log: {opts.run_dir / 'logs' / 'learner.log'})")
             # Done: the learner says so, or has taken its steps and every engine has the last version.
             caught_up = all(v == str(snap.status.get("version")) for v in snap.versions.values())
             if state == "finished" or (snap.status.get("step", 0) >= opts.steps and caught_up):

@@ -54,3 +54,14 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str) -> N
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_redis_server_starts_from_a_relative_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mempo.procs import RedisServer
+
+    monkeypatch.chdir(tmp_path)
+    server = RedisServer(Path("runs/x/redis"), appendonly=True).start()  # as `mempo up` passes it
+    try:
+        assert (tmp_path / "runs/x/redis/redis.log").exists()
+    finally:
+        server.stop()
