@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ CHAT_TEMPLATE = (
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-RECIPE_VERSION = 3  # bump when the build recipe changes, so cached models are rebuilt
+RECIPE_VERSION = 4  # bump when the build recipe changes, so cached models are rebuilt
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,23 @@ PRESETS: dict[str, TinyConfig] = {
 }
 
 
+def _syllable_breaks(text: str) -> str:
+    """Break every invented name at its syllables ("Holbar" -> "Hol\nbar"), so BPE, which
+    merges only inside the pre-tokenizer's pieces, never makes a token of a whole name."""
+    from mempo.world import name_syllables
+
+    def split(match: re.Match[str]) -> str:
+        pieces = name_syllables(match.group(0))
+        return "\n".join(pieces) if pieces and len(pieces) > 1 else match.group(0)
+
+    return re.sub(r"[A-Z][a-z]+", split, text)
+
+
 def training_texts(world_seed: int = 0) -> list[str]:
-    """Text the tokenizer learns from: the world's passages, questions and oracle rounds."""
+    """Text the tokenizer learns from: the world's passages, questions and oracle rounds,
+    names broken at their syllables. Real tokenizers spell rare names with common
+    subwords; a tokenizer with one token per name would leave the names of held-out
+    entities as tokens the policy was never trained to write, so it could not copy them."""
     from mempo.agent_format import INSTRUCTIONS, format_documents
     from mempo.oracle import Oracle
     from mempo.world import World, WorldConfig
@@ -96,7 +112,16 @@ def training_texts(world_seed: int = 0) -> list[str]:
                     texts.append(r.response)
                     if r.information:
                         texts.append(r.information)
-    return texts
+    return [_syllable_breaks(text) for text in texts] + [_syllable_inventory()]
+
+
+def _syllable_inventory(repeats: int = 2000) -> str:
+    """Every name syllable as a word of its own, often enough that BPE merges it before
+    any English merge that could cut across syllables ("orn" of "born" in "Zornim")."""
+    from mempo.world import NAME_PIECES
+
+    forms = [f for p in NAME_PIECES for f in (p, p.capitalize(), " " + p.capitalize())]
+    return "\n".join(forms * repeats)
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> Any:

@@ -448,6 +448,32 @@ class World:
         return match.group(1).strip() if match else None
 
 
+NAME_PIECES = sorted({*_SYLLABLES, "ia"}, key=len, reverse=True)  # "ia" ends country names
+
+
+def name_syllables(word: str) -> list[str] | None:
+    """An invented name word split into the syllables it was made of ("Holbar" ->
+    ["Hol", "bar"]); None for a word that is not made of them. The tiny model's tokenizer
+    learns these pieces instead of whole names, so a name it never saw is still spelled
+    with tokens it was trained to write (mempo/tiny.py)."""
+    lower = word.lower()
+    split: list[list[str] | None] = [[]] + [None] * len(lower)  # split[i]: pieces of lower[:i]
+    for i in range(len(lower)):
+        if split[i] is None:
+            continue
+        for piece in NAME_PIECES:
+            if lower.startswith(piece, i) and split[i + len(piece)] is None:
+                split[i + len(piece)] = [*split[i], piece]  # type: ignore[misc]
+    pieces = split[len(lower)]
+    if not pieces:
+        return None
+    out, start = [], 0
+    for piece in pieces:  # back to the word's own capitalisation
+        out.append(word[start : start + len(piece)])
+        start += len(piece)
+    return out
+
+
 def _aliases(name: str, kind: str) -> tuple[str, ...]:
     if kind == "person":
         return (name, name.split()[-1])

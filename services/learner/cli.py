@@ -79,10 +79,11 @@ def sft(
     epochs: float = typer.Option(3.0, min=0.01, help="passes over the data when --steps is unset"),
     lr: float = typer.Option(1e-3, min=0.0, help="peak learning rate (1e-5 for 7B-class models)"),
     tasks: int = typer.Option(64, min=1, help="oracle tasks per mode"),
-    k: int = typer.Option(1, min=1, max=64, help="questions per task"),
+    k: str = typer.Option("1", help='questions per task: "2", "1,2,4" or "1-3" (--tasks of each)'),
     mode: str = typer.Option("memory", help="memory | full | both"),
     seed: int = typer.Option(0, help="data order and task seed"),
     world_seed: int = typer.Option(0, help="seed of the synthetic world"),
+    worlds: int = typer.Option(1, min=1, help="oracle data from this many worlds (seeds world_seed, +1, ...)"),
     device: str = typer.Option("cpu", help="torch device"),
 ) -> None:
     """SFT warm start: train on response tokens only, write an HF checkpoint."""
@@ -95,12 +96,19 @@ def sft(
     from mempo.cli import fail
     from mempo.settings import configure_logging, quiet_hub
     from mempo.tiny import default_cache_dir, ensure_tiny
+    from services.learner.settings import parse_ks
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
 
     if mode not in ("memory", "full", "both"):
         fail(f"--mode must be memory, full or both (got {mode!r})")
     if data is not None and not data.is_file():
         fail(f"--data {data} is not a file")
+    try:
+        ks = parse_ks(k)
+    except ValueError as exc:
+        fail(f"--k: {exc}")
+    if not ks or not all(1 <= n <= 64 for n in ks):
+        fail(f"--k: every number of questions must be 1..64 (got {k!r})")
     try:
         config = SftConfig(lr=lr, steps=steps, epochs=epochs, seed=seed)
     except ValidationError as exc:
@@ -114,7 +122,7 @@ def sft(
         sequences = (
             jsonl_sequences(tok, data)
             if data is not None
-            else oracle_sequences(tok, tasks, k, mode, world_seed, seed)  # type: ignore[arg-type]
+            else oracle_sequences(tok, tasks, ks, mode, world_seed, seed, worlds)  # type: ignore[arg-type]
         )
     except ValueError as exc:
         fail(str(exc))

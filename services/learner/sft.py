@@ -69,6 +69,10 @@ class SftConfig(BaseModel):
     warmup_steps: int = Field(default=5, ge=0)
     """Linear warmup steps."""
 
+    final_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """After warmup the learning rate decays along a cosine to ``lr * final_lr_ratio`` at
+    the last step (1: constant)."""
+
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
 
@@ -136,29 +140,35 @@ def oracle_rounds(
 def oracle_sequences(
     tok: Tokenizer,
     tasks: int = 64,
-    k: int = 1,
+    k: int | Sequence[int] = 1,
     mode: SftMode = "memory",
     world_seed: int = 0,
     seed: int = 0,
+    worlds: int = 1,
 ) -> list[TrainSequence]:
-    """Training sequences of the world's oracle on ``tasks`` train-split tasks."""
+    """Training sequences of the oracle on ``tasks`` train-split tasks of each number of
+    questions in ``k``, in each mode, in each of ``worlds`` worlds (seeds ``world_seed``,
+    ``world_seed + 1``, ...). Several worlds give the same skills with different facts:
+    a policy cannot memorise them and must learn to search, read and copy."""
     from mempo.bm25 import LocalSearch
     from mempo.oracle import Oracle
     from mempo.world import World, WorldConfig
 
-    world = World.generate(WorldConfig(seed=world_seed))
-    index = LocalSearch(world.passages)
-    oracle = Oracle(world)
-
-    def search(query: str) -> str:
-        return format_documents(index.retrieve([query], 3)[0])
-
     modes = ["memory", "full"] if mode == "both" else [mode]
+    ks = [k] if isinstance(k, int) else list(k)
     sequences: list[TrainSequence] = []
-    for m in modes:
-        for questions, _ in world.tasks("train", k, tasks, seed=seed):
-            traj = Trajectory(rounds=oracle_rounds(tok, questions, search, oracle, m))
-            sequences.extend(trajectory_sequences(traj, full_mode=m == "full"))
+    for world_index in range(worlds):
+        world = World.generate(WorldConfig(seed=world_seed + world_index))
+        index = LocalSearch(world.passages)
+        oracle = Oracle(world)
+
+        def search(query: str, index: LocalSearch = index) -> str:
+            return format_documents(index.retrieve([query], 3)[0])
+
+        for m in modes:
+            for questions, _ in (t for n in ks for t in world.tasks("train", n, tasks, seed=seed)):
+                traj = Trajectory(rounds=oracle_rounds(tok, questions, search, oracle, m))
+                sequences.extend(trajectory_sequences(traj, full_mode=m == "full"))
     return sequences
 
 
@@ -215,6 +225,19 @@ def _loss(
     return value
 
 
+def lr_schedule(warmup_steps: int, steps: int, final_ratio: float) -> Callable[[int], float]:
+    """LR multiplier at optimizer step ``step`` (0-based): linear warmup to 1, then a
+    cosine down to ``final_ratio`` at the last step."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, steps - 1 - warmup_steps))
+        return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
 def _batches(num_sequences: int, per_step: int, steps: int, seed: int) -> Iterator[list[int]]:
     """``steps`` batches of sequence indices: epoch-wise shuffles, concatenated."""
     rng = random.Random(seed)
@@ -251,7 +274,7 @@ def train_sft(
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
     from transformers import AutoModelForCausalLM
 
-    from services.learner.trainer import seed_everything, warmup_factor
+    from services.learner.trainer import seed_everything
 
     if not sequences:
         raise ValueError("no sequences to train on")
@@ -264,10 +287,12 @@ def train_sft(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(config.warmup_steps))
     batch = TrainingBatch.of(sequences)
     per_step = min(config.batch_sequences, len(sequences))
     steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_schedule(config.warmup_steps, steps, config.final_lr_ratio)
+    )
     losses: list[float] = []
     tokens, started = 0, time.perf_counter()
     for step, seqs in enumerate(_batches(len(sequences), per_step, steps, config.seed), start=1):

@@ -50,3 +50,34 @@ def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert (again / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
     a, b = load_file(again / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_held_out_names_are_spelled_with_trained_tokens(tokenizer: Any, world: Any) -> None:
+    """No name is one token, and every token of a test-split subject or answer is also
+    written on train-split tasks (subjects in queries, answers, the memory's Q labels):
+    the policy can write a held-out entity's name with tokens it was trained to write."""
+    from mempo.world import name_syllables
+
+    def tokens(texts: set[str]) -> set[int]:
+        return {
+            i for t in texts for lead in ("", " ") for i in tokenizer.encode(lead + t, add_special_tokens=False)
+        }
+
+    def written(split: str) -> set[str]:
+        questions = world.split_questions(split)
+        return {q.subject for q in questions} | {a for q in questions for a in q.answers}
+
+    for name in world.kinds:
+        for word in name.split():
+            if name_syllables(word):
+                assert len(tokenizer.encode(word, add_special_tokens=False)) >= 2, word
+    assert len(written("test") - written("train")) >= 20
+    assert tokens(written("test")) <= tokens(written("train") | {"Q1 Q2"})
+
+
+def test_name_syllables() -> None:
+    from mempo.world import name_syllables
+
+    assert name_syllables("Holbar") == ["Hol", "bar"]
+    assert name_syllables("Nimulgraia") == ["Nim", "ul", "gra", "ia"]
+    assert name_syllables("Society") is None and name_syllables("") is None

@@ -26,6 +26,7 @@ from services.learner.packing import forward_logprobs, micro_batches
 from services.learner.sft import (
     SftConfig,
     jsonl_sequences,
+    lr_schedule,
     oracle_rounds,
     oracle_sequences,
     train_sft,
@@ -62,6 +63,30 @@ def test_oracle_rounds_are_rendered_like_the_rollout_worker(
         else:
             info = information_ids(tok, prev.information or "")  # type: ignore[arg-type]
             assert nxt.prompt_ids == [*prev.prompt_ids, *prev.response_ids, *info]
+
+
+def test_oracle_sequences_of_several_question_counts(tokenizer: object) -> None:
+    one = oracle_sequences(tokenizer, tasks=3, k=1, mode="full")  # type: ignore[arg-type]
+    two = oracle_sequences(tokenizer, tasks=3, k=2, mode="full")  # type: ignore[arg-type]
+    both = oracle_sequences(tokenizer, tasks=3, k=[1, 2], mode="full")  # type: ignore[arg-type]
+    assert [s.input_ids.tolist() for s in both] == [s.input_ids.tolist() for s in one + two]
+
+
+def test_oracle_sequences_from_several_worlds(tokenizer: object) -> None:
+    first = oracle_sequences(tokenizer, tasks=2, k=1, mode="full")  # type: ignore[arg-type]
+    second = oracle_sequences(tokenizer, tasks=2, k=1, mode="full", world_seed=1)  # type: ignore[arg-type]
+    both = oracle_sequences(tokenizer, tasks=2, k=1, mode="full", worlds=2)  # type: ignore[arg-type]
+    assert [s.input_ids.tolist() for s in both] == [s.input_ids.tolist() for s in first + second]
+    assert first[0].input_ids.tolist() != second[0].input_ids.tolist()
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_final_ratio() -> None:
+    factor = lr_schedule(warmup_steps=4, steps=20, final_ratio=0.1)
+    values = [factor(step) for step in range(20)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
+    assert values[-1] == pytest.approx(0.1)
+    assert lr_schedule(0, 10, 1.0)(5) == 1.0
 
 
 def test_oracle_sequences_never_train_on_prompts_or_information(tokenizer: object) -> None:
@@ -137,10 +162,14 @@ def test_mempo_sft_command(tiny_model_dir: Path, tmp_path: Path) -> None:
         "--tasks",
         "2",
     ]
-    result = runner.invoke(cli.app, [*args, "--mode", "full"])
+    result = runner.invoke(cli.app, [*args, "--mode", "full", "--k", "1-2"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (out / "model.safetensors").is_file()
+    assert summary["sequences"] == 4  # 2 tasks of 1 question + 2 of 2, one sequence each
+    for bad_k in ("2-1", "x", "0", "65"):
+        refused = runner.invoke(cli.app, [*args, "--k", bad_k])
+        assert refused.exit_code == 2 and "--k" in refused.output
     bad = runner.invoke(cli.app, [*args, "--mode", "sideways"])
     assert bad.exit_code == 2 and "--mode" in bad.output
     zero_lr = runner.invoke(cli.app, [*args, "--lr", "0"])
