@@ -108,7 +108,7 @@ def ours(model_dir: Path, groups: list[Group]) -> Any:
         ppo_epochs=1,
         beta_kl=0.001,
         micro_batch_tokens=MICRO_BATCH_ROUNDS * longest,
-        row_tokens=2 * longest,
+        row_tokens=longest,  # one round a row: the default (512) for these 256-512 token rounds
     )
     trainer = Trainer(config, model_dir)
 

@@ -63,7 +63,7 @@ class SftConfig(BaseModel):
     micro_batch_tokens: int = Field(default=8192, ge=16)
     """Token budget of one forward/backward."""
 
-    row_tokens: int | None = Field(default=2048, ge=16)
+    row_tokens: int | None = Field(default=512, ge=16)
     """Longest packed row (see TrainerConfig.row_tokens)."""
 
     warmup_steps: int = Field(default=5, ge=0)
