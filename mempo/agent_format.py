@@ -65,8 +65,8 @@ DEFAULT_TAGS = Tags()
 
 INSTRUCTIONS = (
     "Answer by searching. Each round, write <mem>...</mem> with all you still need (only it "
-    "and the latest result are kept), think in <think>...</think>, then <search>query</search> "
-    "or <answer>a1; a2</answer> with one answer per question."
+    "and the latest result are kept), think in <think>...</think>, then <search> query</search> "
+    "or <answer> a1; a2</answer> with one answer per question."
 )
 
 
@@ -106,7 +106,7 @@ class PreviousRound:
 def memory_context(prev: PreviousRound, tags: Tags = DEFAULT_TAGS) -> str:
     parts = [f"\n{tags.open(tags.mem)}{prev.memory}{tags.close(tags.mem)}"]
     if prev.query is not None:
-        parts.append(f"\n{tags.open(tags.search)}{prev.query}{tags.close(tags.search)}")
+        parts.append(f"\n{tags.open(tags.search)} {prev.query}{tags.close(tags.search)}")
     if prev.information is not None:
         parts.append(f"\n{information_block(prev.information, tags).strip()}")
     return "".join(parts)
@@ -204,8 +204,11 @@ def full_scoring_ids(
 
 
 def answer_target_ids(tok: Tokenizer, answer: str) -> list[int]:
-    """The gold answer's tokens whose geometric-mean probability is P."""
-    return list(tok.encode(answer, add_special_tokens=False))
+    """The gold answer's tokens whose geometric-mean probability is P: the answer as the
+    agent writes it after the cue, ``<answer> a1; a2``. The space belongs to the answer's
+    first token (" Sabar", as everywhere mid-sentence), so the policy is scored on the
+    tokens it would write, not on a rarer no-space spelling."""
+    return list(tok.encode(" " + answer.strip(), add_special_tokens=False))
 
 
 def answer_candidates(

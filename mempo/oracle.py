@@ -123,7 +123,7 @@ class Oracle:
             answer = ANSWER_SEPARATOR.join(v[-1] for v in state)
             think = "All questions are answered."
             return (
-                f"{head}{t.open(t.think)}{think}{t.close(t.think)}\n{t.open(t.answer)}{answer}{t.close(t.answer)}",
+                f"{head}{t.open(t.think)}{think}{t.close(t.think)}\n{t.open(t.answer)} {answer}{t.close(t.answer)}",
                 None,
             )
         subject, relation, variants = self._queries(state, specs, i)
@@ -131,7 +131,7 @@ class Oracle:
         query = variants[min(attempt, _SEARCH_ATTEMPTS - 1)]
         think = f"Q{i + 1} needs the {RELATIONS[relation].phrase} of {subject}."
         return (
-            f"{head}{t.open(t.think)}{think}{t.close(t.think)}\n{t.open(t.search)}{query}{t.close(t.search)}",
+            f"{head}{t.open(t.think)}{think}{t.close(t.think)}\n{t.open(t.search)} {query}{t.close(t.search)}",
             query,
         )
 
@@ -171,9 +171,8 @@ class Oracle:
         body = tail[len(question_line) :]
 
         def blocks(name: str) -> list[str]:
-            return re.findall(
-                re.escape(t.open(name)) + r"(.*?)" + re.escape(t.close(name)), body, re.S
-            )
+            pattern = re.escape(t.open(name)) + r"(.*?)" + re.escape(t.close(name))
+            return [block.strip() for block in re.findall(pattern, body, re.S)]
 
         queries, infos = blocks(t.search), blocks(t.information)
         if mode == "memory":
@@ -235,4 +234,4 @@ def _action_body(response: str, name: str, tags: Tags) -> str | None:
     match = re.search(
         re.escape(tags.open(name)) + r"(.*?)" + re.escape(tags.close(name)), response, re.S
     )
-    return match.group(1) if match else None
+    return match.group(1).strip() if match else None

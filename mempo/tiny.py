@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-RECIPE_VERSION = 4  # bump when the build recipe changes, so cached models are rebuilt
+RECIPE_VERSION = 5  # bump when the build recipe changes, so cached models are rebuilt
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class UpOptions:
     batch_groups: int = 4
     mode: str = "memory"
     max_rounds: int = 6
+    max_new_tokens: int = 256  # per round (the worker's default, 512, suits real models)
     max_staleness: int = 1
     lr: float | None = None
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
@@ -114,7 +115,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
                 MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
                 MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
                 MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
-                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000))))
+                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000, MEMPO_ROLLOUT_MAX_NEW_TOKENS=opts.max_new_tokens))))
     learner_env = _env(
         opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
         MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,

@@ -149,7 +149,7 @@ class TestPrompts:
         text = tokenizer.decode(memory_prompt_ids(tokenizer, self.questions, prev))
         assert "Question: In which city was Zorvan Kelt born?; Who founded Velmar Guild?" in text
         assert "<mem>Q1: Mirath; Q2: ?</mem>" in text
-        assert "<search>Velmar Guild</search>" in text
+        assert "<search> Velmar Guild</search>" in text
         assert '<information>Doc 1(Title: "V") body</information>' in text
         assert text.endswith("<|im_start|>assistant\n")
         first = tokenizer.decode(memory_prompt_ids(tokenizer, self.questions, None))

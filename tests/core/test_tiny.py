@@ -81,3 +81,9 @@ def test_name_syllables() -> None:
     assert name_syllables("Holbar") == ["Hol", "bar"]
     assert name_syllables("Nimulgraia") == ["Nim", "ul", "gra", "ia"]
     assert name_syllables("Society") is None and name_syllables("") is None
+
+
+def test_vocabulary_covers_the_learner_tests_random_ids(tokenizer: Any) -> None:
+    from tests.services.learner.service_support import VOCAB
+
+    assert len(tokenizer) > VOCAB

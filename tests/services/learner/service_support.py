@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from mempo.procs import free_port
 from mempo.schemas import Group, Round, Task, Trajectory
 
-VOCAB = 2048  # token ids below this are in the tiny model's vocabulary
+VOCAB = 1024  # token ids below this are in the tiny model's vocabulary (about 1,200 tokens)
 
 
 def make_group(

@@ -79,7 +79,7 @@ async def test_memory_mode_prompts_hold_nothing_older_than_the_previous_round(
         for prev, cur in zip(traj.rounds, traj.rounds[1:], strict=False):
             tail = question_tail(tokenizer.decode(cur.prompt_ids))
             assert tag_count(tail, "mem") == 1 and tag_count(tail, "information") == 1
-            assert tag_count(tail, "search") == 1 and f"<search>{prev.query}</search>" in tail
+            assert tag_count(tail, "search") == 1 and f"<search> {prev.query}</search>" in tail
             assert prev.information is not None and prev.information.strip() in tail
             prev_memory = tokenizer.decode(prev.response_ids[slice(*prev.mem_span)])
             assert prev_memory.strip() in tail

@@ -117,7 +117,7 @@ def test_p_by_hand_with_a_plain_forward(loaded: LoadedModel) -> None:
     )
 
     def by_hand(context: list[int]) -> float:
-        answer = tok.encode("Dostania", add_special_tokens=False)
+        answer = tok.encode(" Dostania", add_special_tokens=False)  # as written after "<answer>"
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([context + answer])).logits[0]
         logp = torch.log_softmax(logits.double(), -1)
