@@ -48,6 +48,8 @@ class TinyConfig:
     max_positions: int = 8192
     seed: int = 0
     world_seed: int = 0
+    pretrain_steps: int = 0  # language-model pretraining (mempo/pretrain.py); 0: random weights
+    pretrain_worlds: int = 16
 
     def key(self, texts: list[str] | None = None) -> str:
         """Cache key: the shape, the recipe and the text the tokenizer learns from (so a
@@ -62,8 +64,16 @@ class TinyConfig:
 
 PRESETS: dict[str, TinyConfig] = {
     "test": TinyConfig(),
+    # The learning proof's policy (benchmarks/learning_curve.py, docs/results.md): 3.5M
+    # parameters, pretrained so that it can copy names (about 11 minutes on 2 cores).
     "small": TinyConfig(
-        hidden_size=256, layers=4, heads=4, kv_heads=2, intermediate_size=768, vocab_size=3072
+        hidden_size=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=768,
+        vocab_size=3072,
+        pretrain_steps=600,
     ),
 }
 
@@ -200,6 +210,11 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
     )
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
+    if config.pretrain_steps:
+        from mempo.pretrain import pretrain, pretraining_texts
+
+        log.info("pretraining the tiny model: %d steps", config.pretrain_steps)
+        pretrain(model, tokenizer, pretraining_texts(config.pretrain_worlds), config.pretrain_steps)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -225,19 +225,6 @@ def _loss(
     return value
 
 
-def lr_schedule(warmup_steps: int, steps: int, final_ratio: float) -> Callable[[int], float]:
-    """LR multiplier at optimizer step ``step`` (0-based): linear warmup to 1, then a
-    cosine down to ``final_ratio`` at the last step."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, steps - 1 - warmup_steps))
-        return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def _batches(num_sequences: int, per_step: int, steps: int, seed: int) -> Iterator[list[int]]:
     """``steps`` batches of sequence indices: epoch-wise shuffles, concatenated."""
     rng = random.Random(seed)
@@ -274,6 +261,7 @@ def train_sft(
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
     from transformers import AutoModelForCausalLM
 
+    from mempo.pretrain import cosine_schedule
     from services.learner.trainer import seed_everything
 
     if not sequences:
@@ -291,7 +279,7 @@ def train_sft(
     per_step = min(config.batch_sequences, len(sequences))
     steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_schedule(config.warmup_steps, steps, config.final_lr_ratio)
+        optimizer, cosine_schedule(config.warmup_steps, steps, config.final_lr_ratio)
     )
     losses: list[float] = []
     tokens, started = 0, time.perf_counter()

@@ -26,7 +26,6 @@ from services.learner.packing import forward_logprobs, micro_batches
 from services.learner.sft import (
     SftConfig,
     jsonl_sequences,
-    lr_schedule,
     oracle_rounds,
     oracle_sequences,
     train_sft,
@@ -78,15 +77,6 @@ def test_oracle_sequences_from_several_worlds(tokenizer: object) -> None:
     both = oracle_sequences(tokenizer, tasks=2, k=1, mode="full", worlds=2)  # type: ignore[arg-type]
     assert [s.input_ids.tolist() for s in both] == [s.input_ids.tolist() for s in first + second]
     assert first[0].input_ids.tolist() != second[0].input_ids.tolist()
-
-
-def test_lr_schedule_warms_up_then_decays_to_the_final_ratio() -> None:
-    factor = lr_schedule(warmup_steps=4, steps=20, final_ratio=0.1)
-    values = [factor(step) for step in range(20)]
-    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in itertools.pairwise(values[3:]))
-    assert values[-1] == pytest.approx(0.1)
-    assert lr_schedule(0, 10, 1.0)(5) == 1.0
 
 
 def test_oracle_sequences_never_train_on_prompts_or_information(tokenizer: object) -> None:
