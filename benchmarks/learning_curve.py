@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -115,15 +116,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/learning-curve"))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--sft-tasks", type=int, default=256, help="oracle tasks per number of questions")
+    parser.add_argument("--sft-tasks", type=int, default=128, help="oracle tasks per number of questions and world")
+    parser.add_argument("--sft-worlds", type=int, default=8, help="worlds of the SFT data (seeds 0, 1, ...)")
     parser.add_argument("--rl-steps", type=int, default=60)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--questions", default="1-2", help="questions per task, training and eval")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--batch-groups", type=int, default=4)
-    parser.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks per number of questions")
+    parser.add_argument("--eval-tasks", type=int, default=30, help="held-out tasks per number of questions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[learning-curve] %(message)s")  # pretraining progress
     lo, _, hi = args.questions.partition("-")
     args.ks = ",".join(str(k) for k in range(int(lo), int(hi or lo) + 1))
     args.out = args.out.resolve()
@@ -134,7 +137,7 @@ def main() -> None:
     if not (sft / "model.safetensors").exists():
         base = ensure_tiny(default_cache_dir(), PRESETS[args.preset])
         run("sft", ["sft", "--model", str(base), "--out", str(sft), "--k", args.questions,
-                    "--tasks", str(args.sft_tasks), "--steps", str(args.sft_steps), "--seed", str(args.seed)])  # fmt: skip
+                    "--tasks", str(args.sft_tasks), "--worlds", str(args.sft_worlds), "--steps", str(args.sft_steps), "--seed", str(args.seed)])  # fmt: skip
     evals = {"sft": evaluate(sft, args.out / "eval-sft", args)}
     minutes = {}
     for name, alpha in (("mempo", 1.0), ("grpo", 0.0)):
