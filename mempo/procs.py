@@ -48,15 +48,23 @@ def wait_ready(
 class RedisServer:
     """A private redis-server on a free loopback port, in its own directory."""
 
-    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        appendonly: bool = False,
+        password: str | None = None,
+    ) -> None:
         self.directory = Path(directory).resolve()  # redis chdirs to --dir before --logfile
-        self.port = port or free_port()
+        self.port = port or free_port()  # kept across stop and start
         self.appendonly = appendonly
+        self.password = password  # --requirepass: clients must AUTH
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         binary = shutil.which("redis-server")
@@ -81,6 +89,7 @@ class RedisServer:
             str(self.directory / "redis.log"),
             "--protected-mode",
             "yes",
+            *(["--requirepass", self.password] if self.password else []),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -89,14 +98,24 @@ class RedisServer:
                 raise RuntimeError(
                     f"redis-server exited with {self.proc.returncode}; see {self.directory / 'redis.log'}"
                 )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+            if self.ping() == b"+PONG":
+                return self
+            time.sleep(0.05)
         raise TimeoutError(f"redis-server did not answer on port {self.port}")
+
+    def ping(self, password: str | None = None) -> bytes:
+        """The first reply line of PING after AUTH with ``password`` (default: the
+        server's; ``""``: no AUTH); b"" when nothing answers."""
+        password = self.password if password is None else password
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                if password:
+                    sock.sendall(f"AUTH {password}\r\n".encode())
+                    sock.recv(256)
+                sock.sendall(b"PING\r\n")
+                return sock.recv(256).split(b"\r\n")[0]
+        except OSError:
+            return b""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

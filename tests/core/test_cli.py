@@ -65,3 +65,14 @@ def test_redis_server_starts_from_a_relative_folder(tmp_path: Path, monkeypatch:
         assert (tmp_path / "runs/x/redis/redis.log").exists()
     finally:
         server.stop()
+
+
+def test_redis_server_with_a_password_refuses_clients_without_it(tmp_path: Path) -> None:
+    import redis
+
+    from mempo.procs import RedisServer
+
+    with RedisServer(tmp_path / "redis", password="s3cret") as server:
+        assert server.ping(password="").startswith(b"-NOAUTH")
+        assert server.url == f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        assert redis.Redis.from_url(server.url).ping()

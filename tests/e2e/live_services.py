@@ -1,6 +1,5 @@
 """Real service processes for the security and schemathesis tests (this module holds no tests).
 
-- ``PasswordRedis``: a private redis-server that requires a password (``--requirepass``).
 - ``start_http_stack``: retrieval, scorer, CPU engine, an HTTP-only rollout worker and the
   learner as child processes of a ``Supervisor``, every one with an admin token, each
   waited for until ready.
@@ -9,10 +8,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,63 +15,6 @@ from mempo.launcher.supervisor import Child, Supervisor
 from mempo.procs import free_port
 
 SERVICES = ("retrieval", "scorer", "engine", "worker", "learner")
-
-
-class PasswordRedis:
-    """redis-server on a free loopback port that refuses clients without ``password``; its
-    append-only file keeps the data across ``stop`` and ``start``."""
-
-    def __init__(self, directory: Path, password: str) -> None:
-        self.directory = directory
-        self.password = password
-        self.port = free_port()  # kept across restarts
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
-
-    def start(self, timeout_s: float = 10.0) -> PasswordRedis:
-        binary = shutil.which("redis-server")
-        assert binary is not None, "redis-server is not on PATH"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        args = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes", "--dir", str(self.directory),
-            "--logfile", str(self.directory / "redis.log"), "--requirepass", self.password,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"redis-server exited with {self.proc.returncode}"
-            if self.ping() == b"+PONG":
-                return self
-            time.sleep(0.05)
-        raise TimeoutError(f"redis-server did not answer on port {self.port}")
-
-    def ping(self, password: str | None = None) -> bytes:
-        """The first reply line of PING, after AUTH with ``password`` (default: the right
-        one; ``""``: no AUTH at all)."""
-        password = self.password if password is None else password
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
-                if password:
-                    sock.sendall(f"AUTH {password}\r\n".encode())
-                    sock.recv(256)
-                sock.sendall(b"PING\r\n")
-                return sock.recv(256).split(b"\r\n")[0]
-        except OSError:
-            return b""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
 
 
 @dataclass

@@ -340,7 +340,8 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
     TOKEN on the other three) on a Redis with a password, logging at DEBUG."""
     from mempo.launcher import up
     from mempo.launcher.supervisor import Supervisor
-    from tests.e2e.live_services import PasswordRedis, find_secrets
+    from mempo.procs import RedisServer
+    from tests.e2e.live_services import find_secrets
 
     password = secrets.token_hex(16)
     debug = {
@@ -354,7 +355,7 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
         extra_env={**debug, **tokens}, ready_timeout_s=180,
     )  # fmt: skip
     run = opts.run_dir.resolve()
-    redis = PasswordRedis(run / "redis", password).start()
+    redis = RedisServer(run / "redis", appendonly=True, password=password).start()
     try:
         assert redis.ping(password="").startswith(b"-NOAUTH")  # the password is required
         with Supervisor(run) as sup:
