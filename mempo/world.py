@@ -448,7 +448,7 @@ class World:
         return match.group(1).strip() if match else None
 
 
-NAME_PIECES = sorted({*_SYLLABLES, "ia"}, key=len, reverse=True)  # "ia" ends country names
+NAME_PIECES = sorted({*_SYLLABLES, "ia"}, key=lambda p: (-len(p), p))  # longest first; "ia" ends country names
 
 
 def name_syllables(word: str) -> list[str] | None:

@@ -52,6 +52,22 @@ def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_cache_key_is_the_same_in_every_process() -> None:
+    """String hashing is salted per process (PYTHONHASHSEED): a key that depended on a
+    set's order would rebuild the model, and redo its SFT warm start, on every run."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from mempo.tiny import PRESETS; print(PRESETS['test'].key())"
+    keys = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                       capture_output=True, text=True, check=True).stdout.strip()
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(keys) == 1 and keys == {TinyConfig().key()}
+
+
 def test_held_out_names_are_spelled_with_trained_tokens(tokenizer: Any, world: Any) -> None:
     """No name is one token, and every token of a test-split subject or answer is also
     written on train-split tasks (subjects in queries, answers, the memory's Q labels):
