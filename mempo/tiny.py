@@ -65,7 +65,8 @@ class TinyConfig:
 PRESETS: dict[str, TinyConfig] = {
     "test": TinyConfig(),
     # The learning proof's policy (benchmarks/learning_curve.py, docs/results.md): 3.5M
-    # parameters, pretrained so that it can copy names (about 11 minutes on 2 cores).
+    # parameters, LM-pretrained for about 11 minutes on 2 cores (not enough to copy an
+    # answer it has read once: see docs/results.md).
     "small": TinyConfig(
         hidden_size=256,
         layers=4,
