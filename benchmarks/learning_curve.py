@@ -2,7 +2,8 @@
 
 Through the real commands and services, with a fixed seed:
 
-1. SFT warm start (``mempo sft``) of the tiny policy on the world's oracle trajectories;
+1. SFT warm start (``mempo sft``) of the tiny policy (preset ``small``: pretrained,
+   cached) on oracle trajectories of 8 worlds (memory mode; ``--sft-mode both`` adds full);
 2. eval of the SFT policy (``mempo eval``) on held-out tasks (test split: entities the
    training never asked about), memory mode and full mode, with P_mem scored;
 3. MemPO RL (``mempo up``, memory advantage alpha = 1) for ``--rl-steps`` steps from the
@@ -117,6 +118,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--sft-tasks", type=int, default=128, help="oracle tasks per number of questions and world")
+    parser.add_argument("--sft-mode", default="memory", choices=["memory", "both"],
+                        help="both: the policy also learns full mode, so full-mode tokens compare like with like")
     parser.add_argument("--sft-worlds", type=int, default=8, help="worlds of the SFT data (seeds 0, 1, ...)")
     parser.add_argument("--rl-steps", type=int, default=60)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
@@ -137,7 +140,7 @@ def main() -> None:
     if not (sft / "model.safetensors").exists():
         base = ensure_tiny(default_cache_dir(), PRESETS[args.preset])
         run("sft", ["sft", "--model", str(base), "--out", str(sft), "--k", args.questions,
-                    "--tasks", str(args.sft_tasks), "--worlds", str(args.sft_worlds), "--steps", str(args.sft_steps), "--seed", str(args.seed)])  # fmt: skip
+                    "--tasks", str(args.sft_tasks), "--worlds", str(args.sft_worlds), "--mode", args.sft_mode, "--steps", str(args.sft_steps), "--seed", str(args.seed)])  # fmt: skip
     evals = {"sft": evaluate(sft, args.out / "eval-sft", args)}
     minutes = {}
     for name, alpha in (("mempo", 1.0), ("grpo", 0.0)):
