@@ -82,7 +82,7 @@ PRESETS: dict[str, TinyConfig] = {
 def _syllable_breaks(text: str) -> str:
     """Break every invented name at its syllables ("Holbar" -> "Hol\nbar"), so BPE, which
     merges only inside the pre-tokenizer's pieces, never makes a token of a whole name."""
-    from mempo.world import name_syllables
+    from mempo.lexicon import name_syllables
 
     def split(match: re.Match[str]) -> str:
         pieces = name_syllables(match.group(0))
@@ -129,7 +129,7 @@ def training_texts(world_seed: int = 0) -> list[str]:
 def _syllable_inventory(repeats: int = 2000) -> str:
     """Every name syllable as a word of its own, often enough that BPE merges it before
     any English merge that could cut across syllables ("orn" of "born" in "Zornim")."""
-    from mempo.world import NAME_PIECES
+    from mempo.lexicon import NAME_PIECES
 
     forms = [f for p in NAME_PIECES for f in (p, p.capitalize(), " " + p.capitalize())]
     return "\n".join(forms * repeats)

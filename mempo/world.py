@@ -16,129 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mempo.lexicon import BACKGROUND, FILL, ORG_KINDS, PROFESSIONS, RIVER_SUFFIX, NameMaker
+
 Split = Literal["train", "test"]
-
-_SYLLABLES = [
-    "ka",
-    "ri",
-    "zor",
-    "van",
-    "mel",
-    "dro",
-    "thi",
-    "sel",
-    "ul",
-    "bar",
-    "nek",
-    "osk",
-    "fen",
-    "qua",
-    "lor",
-    "mi",
-    "tas",
-    "ven",
-    "gra",
-    "hol",
-    "pir",
-    "ed",
-    "yun",
-    "cal",
-    "dex",
-    "ro",
-    "sa",
-    "tum",
-    "lek",
-    "viv",
-    "aur",
-    "bo",
-    "nim",
-    "har",
-    "sut",
-    "kel",
-    "ost",
-    "wen",
-    "ja",
-    "fir",
-]
-_PROFESSIONS = [
-    "painter",
-    "engineer",
-    "botanist",
-    "sailor",
-    "weaver",
-    "chemist",
-    "poet",
-    "mason",
-    "judge",
-    "baker",
-]
-_ORG_KINDS = [
-    "Guild",
-    "Institute",
-    "Company",
-    "Society",
-    "Academy",
-    "Foundry",
-    "Bank",
-    "Observatory",
-]
-_RIVERS_SUFFIX = "River"
-
-# Background sentences: true of the passage's entity but never asked about. They make
-# passages as long as real encyclopedia passages (and the search results as costly to
-# carry), and give a reader text to skip. They name no other entity and avoid the words
-# that questions use (city, country, born, works, founded, headquartered, capital).
-_FILL = {
-    "topic": ["old maps", "river trade", "glass making", "folk songs", "tidal patterns", "bell casting", "salt roads", "winter birds", "clockwork", "star charts", "dye plants", "harbour law", "paper mills", "mountain passes", "wool prices"],
-    "thing": ["copper coins", "pressed flowers", "old keys", "sea shells", "clay whistles", "travel journals", "brass buttons"],
-    "instrument": ["cello", "flute", "lute", "harp", "drum", "violin", "horn"],
-    "trait": ["patient", "curious", "stubborn", "generous", "careful", "restless", "cheerful", "quiet"],
-    "feature": ["stone bridges", "covered markets", "rose gardens", "narrow lanes", "tall towers", "busy docks", "painted gates"],
-    "season": ["spring", "summer", "autumn", "winter"],
-    "industry": ["weaving", "shipbuilding", "printing", "farming", "mining", "brewing", "pottery"],
-}
-_BACKGROUND = {
-    "person": [
-        "In spare hours, {first} collects {thing} and plays the {instrument}.",
-        "Friends describe {first} as {trait} and {trait2}.",
-        "{first} spent several years studying {topic}.",
-        "{first} once wrote a long essay about {topic2}.",
-        "As a child, {first} lived near a workshop that made {thing2}.",
-        "In the evenings {first} teaches a small class on {topic} to neighbours.",
-        "Colleagues remember {first} for a {trait} manner and a fondness for {thing}.",
-        "Each {season}, {first} travels to see the {feature} of distant towns.",
-    ],
-    "city": [
-        "It is known for its {feature} and its {feature2}.",
-        "Every {season} a fair about {topic} is held there.",
-        "Many residents earn their living in {industry}.",
-        "Visitors come to see its {feature2} and to learn about {topic2}.",
-        "Its oldest library holds records of {topic} going back many generations.",
-        "Local craftsmen are proud of their {thing} and sell them at the {season} market.",
-        "Its council meets in a hall beside the {feature}.",
-        "Children there learn {instrument} music from an early age.",
-    ],
-    "org": [
-        "Its members meet every {season} to discuss {topic}.",
-        "It publishes a yearly report on {topic2}.",
-        "It keeps a small collection of {thing}.",
-        "Its first members came from {industry}.",
-        "New members are asked to write a short study of {topic2}.",
-        "Its offices are decorated with {thing2} given by former members.",
-        "Every {season2} it awards a small prize for studies of {topic}.",
-        "Its archive contains letters about {industry} and {topic2}.",
-    ],
-    "country": [
-        "It is famous for its {feature} and its {industry}.",
-        "Its people celebrate the end of {season} with songs about {topic}.",
-        "Its museums hold large collections of {thing}.",
-        "Its schools teach {instrument} and the history of {topic2}.",
-        "Travellers praise its {feature2} and its {trait} people.",
-        "Its oldest laws concern {topic} and the {season} harvest.",
-        "Its coins show images of {thing2}.",
-    ],
-}
-
 
 @dataclass(frozen=True)
 class Relation:
@@ -289,10 +169,10 @@ class World:
     def generate(cls, config: WorldConfig | None = None) -> World:
         config = config or WorldConfig()
         rng = random.Random(config.seed)
-        names = _NameMaker(rng)
+        names = NameMaker(rng)
         countries = [names.word(3) + "ia" for _ in range(config.countries)]
         cities = [names.word(2) for _ in range(config.cities)]
-        orgs = [f"{names.word(2)} {rng.choice(_ORG_KINDS)}" for _ in range(config.orgs)]
+        orgs = [f"{names.word(2)} {rng.choice(ORG_KINDS)}" for _ in range(config.orgs)]
         people = [f"{names.word(2)} {names.word(2)}" for _ in range(config.people)]
         facts: dict[str, dict[str, str]] = {}
         kinds: dict[str, str] = {}
@@ -305,7 +185,7 @@ class World:
             facts[c] = {
                 "country": rng.choice(countries),
                 "city_founded": str(rng.randint(900, 1800)),
-                "river": f"{names.word(2)} {_RIVERS_SUFFIX}",
+                "river": f"{names.word(2)} {RIVER_SUFFIX}",
             }
         for i, c in enumerate(countries):
             facts[cities[i % len(cities)]]["country"] = c  # a capital lies in its country
@@ -315,7 +195,7 @@ class World:
                 "birthplace": rng.choice(cities),
                 "birth_year": str(rng.randint(1800, 1999)),
                 "employer": rng.choice(orgs),
-                "profession": rng.choice(_PROFESSIONS),
+                "profession": rng.choice(PROFESSIONS),
             }
         for o in orgs:
             kinds[o] = "org"
@@ -355,9 +235,9 @@ class World:
 
     def _background(self, name: str, kind: str) -> list[str]:
         rng = random.Random(f"{self.config.seed}:background:{name}")
-        pool = _BACKGROUND[kind]
+        pool = BACKGROUND[kind]
         chosen = rng.sample(pool, min(self.config.background, len(pool)))
-        fill = {key: rng.sample(words, 2) for key, words in _FILL.items()}
+        fill = {key: rng.sample(words, 2) for key, words in FILL.items()}
         values = {k: v[0] for k, v in fill.items()} | {f"{k}2": v[1] for k, v in fill.items()}
         return [template.format(first=name.split()[0], **values) for template in chosen]
 
@@ -448,72 +328,12 @@ class World:
         return match.group(1).strip() if match else None
 
 
-NAME_PIECES = sorted({*_SYLLABLES, "ia"}, key=lambda p: (-len(p), p))  # longest first; "ia" ends country names
-
-
-def name_syllables(word: str) -> list[str] | None:
-    """An invented name word split into the syllables it was made of ("Holbar" ->
-    ["Hol", "bar"]); None for a word that is not made of them. The tiny model's tokenizer
-    learns these pieces instead of whole names, so a name it never saw is still spelled
-    with tokens it was trained to write (mempo/tiny.py)."""
-    lower = word.lower()
-    split: list[list[str] | None] = [[]] + [None] * len(lower)  # split[i]: pieces of lower[:i]
-    for i in range(len(lower)):
-        if split[i] is None:
-            continue
-        for piece in NAME_PIECES:
-            if lower.startswith(piece, i) and split[i + len(piece)] is None:
-                split[i + len(piece)] = [*split[i], piece]  # type: ignore[misc]
-    pieces = split[len(lower)]
-    if not pieces:
-        return None
-    out, start = [], 0
-    for piece in pieces:  # back to the word's own capitalisation
-        out.append(word[start : start + len(piece)])
-        start += len(piece)
-    return out
-
-
 def _aliases(name: str, kind: str) -> tuple[str, ...]:
     if kind == "person":
         return (name, name.split()[-1])
     if kind == "org":
         return (name, name.split()[0])
     return (name,)
-
-
-class _NameMaker:
-    """Capitalised invented words, each used once in the whole world (no collisions)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-        self.used: set[str] = set()
-
-    def word(self, syllables: int) -> str:
-        for attempt in range(1000):
-            n = syllables + attempt // 50  # grow the word when the short ones run out
-            word = "".join(self.rng.choice(_SYLLABLES) for _ in range(n)).capitalize()
-            if word not in self.used and word.lower() not in _COMMON_WORDS:
-                self.used.add(word)
-                return word
-        raise RuntimeError("name space exhausted")
-
-
-_COMMON_WORDS = {
-    "a",
-    "an",
-    "the",
-    "is",
-    "in",
-    "it",
-    "of",
-    "by",
-    "and",
-    "for",
-    "was",
-    "born",
-    "city",
-}
 
 
 def __getattr__(name: str) -> object:

@@ -72,7 +72,7 @@ def test_held_out_names_are_spelled_with_trained_tokens(tokenizer: Any, world: A
     """No name is one token, and every token of a test-split subject or answer is also
     written on train-split tasks (subjects in queries, answers, the memory's Q labels):
     the policy can write a held-out entity's name with tokens it was trained to write."""
-    from mempo.world import name_syllables
+    from mempo.lexicon import name_syllables
 
     def tokens(texts: set[str]) -> set[int]:
         return {
@@ -92,7 +92,7 @@ def test_held_out_names_are_spelled_with_trained_tokens(tokenizer: Any, world: A
 
 
 def test_name_syllables() -> None:
-    from mempo.world import name_syllables
+    from mempo.lexicon import name_syllables
 
     assert name_syllables("Holbar") == ["Hol", "bar"]
     assert name_syllables("Nimulgraia") == ["Nim", "ul", "gra", "ia"]
