@@ -1,4 +1,4 @@
-"""LM pretraining of the tiny model: the schedule, the corpus, and that it learns to copy."""
+"""LM pretraining of the tiny model: the schedule, the corpus, and that the loss falls."""
 
 from __future__ import annotations
 
