@@ -71,7 +71,7 @@ class RolloutWorker:
         self.started_at = time.time()
         self._stopping = asyncio.Event()
         self._policy_lock = asyncio.Lock()
-        self._handlers: set[asyncio.Task[bool]] = set()
+        self._handlers: dict[str, asyncio.Task[bool]] = {}  # by task entry id
         self._background: list[asyncio.Task[None]] = []
 
     # ----------------------------------------------------------------- start-up
@@ -169,7 +169,7 @@ class RolloutWorker:
                     if not burst:
                         continue
                     if self._handlers:
-                        await asyncio.wait(set(self._handlers), return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(set(self._handlers.values()), return_when=asyncio.FIRST_COMPLETED)
                         continue
                     if rescanned:
                         break  # drained: nothing new, nothing idle to reclaim
@@ -178,20 +178,27 @@ class RolloutWorker:
                     await asyncio.sleep(self.queue.claim_idle_ms / 4000)
                     continue
                 rescanned = False
+                if delivery.entry_id in self._handlers:
+                    # Our own lease lapsed (a stalled event loop) and the idle scan handed the
+                    # task back to us while it still runs: the running copy will ack it.
+                    slots.release()
+                    log.warning("task %s reclaimed while still running here; not run twice", delivery.entry_id)
+                    continue
                 handled += 1
                 self._spawn(delivery, slots)
             await self._drain()
         finally:
             self.consuming = False
-            await _cancel(self._handlers)
+            await _cancel(list(self._handlers.values()))
         return handled
 
     def _spawn(self, delivery: Delivery[Task], slots: asyncio.Semaphore) -> None:
-        handler = asyncio.create_task(self.handle(delivery), name=f"task-{delivery.entry_id}")
-        self._handlers.add(handler)
+        entry_id = delivery.entry_id
+        handler = asyncio.create_task(self.handle(delivery), name=f"task-{entry_id}")
+        self._handlers[entry_id] = handler
 
         def done(t: asyncio.Task[bool]) -> None:
-            self._handlers.discard(t)
+            self._handlers.pop(entry_id, None)
             slots.release()
 
         handler.add_done_callback(done)
@@ -308,7 +315,7 @@ class RolloutWorker:
     async def _drain(self) -> None:
         if self._handlers:
             log.info("draining %d in-flight tasks", len(self._handlers))
-            await asyncio.wait(set(self._handlers), timeout=self.settings.drain_timeout_s)
+            await asyncio.wait(set(self._handlers.values()), timeout=self.settings.drain_timeout_s)
 
     def readiness(self) -> tuple[bool, str | None]:
         if self._stopping.is_set():

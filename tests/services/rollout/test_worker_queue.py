@@ -177,6 +177,33 @@ async def test_a_slow_task_keeps_its_lease(
     assert len(await learner_groups(redis_client, keys)) == 1
 
 
+async def test_a_task_whose_lease_lapsed_is_not_run_twice_by_its_own_worker(
+    redis_client: Any, keys: Keys, tokenizer: Any, world: World, local_search: LocalSearch
+) -> None:
+    # A stalled event loop (a loaded machine) can miss lease renewals; the worker's own idle
+    # scan then hands it the task it is still running. It must not start a second copy.
+    (task,) = make_tasks(world, 1, n=1)
+    queue = make_queue(redis_client, keys, "w", claim_idle_ms=150, max_deliveries=50)
+    await publish(queue, [task])
+
+    async def lapsed(entry_id: str) -> bool:
+        return True  # renewals that never reach Redis
+
+    queue.renew_task = lapsed  # type: ignore[method-assign]
+    engine = ScriptedEngine.oracle(tokenizer, world, "memory")
+    engine.delay_s = 0.1  # the task outlives several claim_idle_ms
+    async with booted_worker(
+        engine, local_search, tokenizer, ScriptedScorer(), queue, claim_block_ms=20
+    ) as worker:
+        loop = asyncio.create_task(worker.run())
+        while (await queue.stream_lengths())["tasks"]:
+            await asyncio.sleep(0.05)
+        await worker.stop()
+        assert await loop == 1
+    assert worker.metrics.tasks_done == 1 and worker.metrics.rounds >= 3
+    assert len(await learner_groups(redis_client, keys)) == 1
+
+
 async def test_the_engine_is_brought_to_the_policy_before_work(
     redis_client: Any, keys: Keys, tokenizer: Any, world: World, local_search: LocalSearch
 ) -> None:
