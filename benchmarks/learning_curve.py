@@ -74,7 +74,7 @@ def train(name: str, sft: Path, alpha: float, args: argparse.Namespace) -> tuple
                              "--steps", str(args.rl_steps), "--alpha", str(alpha), "--lr", str(args.rl_lr),
                              "--questions", args.questions, "--group-size", str(args.group_size),
                              "--batch-groups", str(args.batch_groups), "--seed", str(args.seed),
-                             "--no-display"])  # fmt: skip
+                             "--mem-min-std", str(args.mem_min_std), "--no-display"])  # fmt: skip
         version = max(int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit())
         summary.write_text(json.dumps({"minutes": minutes, "version": version}))
     done = json.loads(summary.read_text())
@@ -85,14 +85,15 @@ def smooth(values: list[float], window: int = 5) -> list[float]:
     return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def plot(out: Path, evals: dict[str, dict[str, Any]]) -> Path:
+def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), dpi=110)
-    for name, label in (("mempo", "MemPO (alpha=1)"), ("grpo", "GRPO (alpha=0)")):
+    mempo = f"MemPO (alpha=1{f', min std {min_std}' if min_std else ''})"
+    for name, label in (("mempo", mempo), ("grpo", "GRPO (alpha=0)")):
         rows = read_metrics(out / name / "metrics.jsonl")
         steps = [r["step"] for r in rows]
         for ax, key in zip(axes[:2], ("correct_rate", "p_mem_mean"), strict=True):
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--batch-groups", type=int, default=4)
     parser.add_argument("--eval-tasks", type=int, default=30, help="held-out tasks per number of questions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mem-min-std", type=float, default=0.0,
+                        help="memory-advantage pools with a smaller std get none (0: DESIGN.md's definition)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[learning-curve] %(message)s")  # pretraining progress
     lo, _, hi = args.questions.partition("-")
@@ -164,9 +167,10 @@ def main() -> None:
         "grpo_f1": evals["grpo"]["memory"]["f1"],
         "sft_f1": evals["sft"]["memory"]["f1"],
         "rl_steps": args.rl_steps,
+        "mem_min_std": args.mem_min_std,
         "ks": args.ks,
         "eval_tasks": args.eval_tasks,
-        "curves": str(plot(args.out, evals)),
+        "curves": str(plot(args.out, evals, args.mem_min_std)),
     }
     (args.out / "summary.json").write_text(json.dumps({**summary, "evals": evals}, indent=1))
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))

@@ -16,8 +16,11 @@ import torch
 from torch import Tensor
 
 
-def _group_normalize(values: Tensor, ids: Tensor, eps: float, norm_by_std: bool) -> Tensor:
-    """(x - mean_g) / (std_g + eps) within each id; 0 for size-1 or zero-variance groups."""
+def _group_normalize(
+    values: Tensor, ids: Tensor, eps: float, norm_by_std: bool, min_std: float = 0.0
+) -> Tensor:
+    """(x - mean_g) / (std_g + eps) within each id; 0 for size-1 or zero-variance groups,
+    and for groups whose std is below ``min_std``."""
     values = values.to(torch.float32)
     _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # (G,)
     num_groups = counts.numel()
@@ -35,7 +38,7 @@ def _group_normalize(values: Tensor, ids: Tensor, eps: float, norm_by_std: bool)
     gmax = torch.full_like(sums, -torch.inf).scatter_reduce(0, inverse, values, "amax")
     gmin = torch.full_like(sums, torch.inf).scatter_reduce(0, inverse, values, "amin")
     constant = gmax == gmin  # (G,)
-    degenerate = (counts <= 1) | constant  # (G,)
+    degenerate = (counts <= 1) | constant | (std < min_std)  # (G,)
     out = centred / (std[inverse] + eps) if norm_by_std else centred
     return torch.where(degenerate[inverse], torch.zeros_like(out), out)
 
@@ -58,20 +61,31 @@ def grpo_outcome_advantage(
     return _group_normalize(rewards, group_ids, eps, norm_by_std)
 
 
-def memory_advantage(mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6) -> Tensor:
+def memory_advantage(
+    mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6, min_std: float = 0.0
+) -> Tensor:
     """A_M(i,t) = (R_M(i,t) - mean_pool) / (std_pool + eps), R_M = P_mem - P_full.
+
+    ``min_std`` > 0 (an option; 0 is DESIGN.md's definition) extends the zero-variance
+    rule: a pool whose std is below it gets advantage 0. A policy that rarely knows the
+    answer has P_mem - P_full values that differ by noise (all P ~ 0.01), which the
+    normalisation would turn into unit-scale advantages. Measured in docs/results.md.
 
     Args:
         mem_rewards: (K,) memory reward of each (trajectory, round) with a memory.
         pool_ids: (K,) pool of each item: every round of every trajectory of one group.
+        min_std: pools with a smaller std get no memory advantage.
     Returns:
-        (K,) float32 advantages; 0 for a pool of size 1 or with zero variance.
+        (K,) float32 advantages; 0 for a pool of size 1, with zero variance, or with a
+        std below ``min_std``.
     """
     if mem_rewards.shape != pool_ids.shape or mem_rewards.ndim != 1:
         raise ValueError(
             f"mem_rewards {tuple(mem_rewards.shape)} and pool_ids {tuple(pool_ids.shape)} must be equal 1-D"
         )
-    return _group_normalize(mem_rewards, pool_ids, eps, norm_by_std=True)
+    if min_std < 0:
+        raise ValueError(f"min_std must be >= 0 (got {min_std})")
+    return _group_normalize(mem_rewards, pool_ids, eps, norm_by_std=True, min_std=min_std)
 
 
 def token_advantages(

@@ -91,6 +91,9 @@ def up(
     max_staleness: Annotated[int, typer.Option(min=0, help="0: fully on-policy")] = 1,
     lr: Annotated[float | None, typer.Option(help="learning rate (default: the trainer's)")] = None,
     alpha: Annotated[float | None, typer.Option(help="memory advantage weight; 0 = plain GRPO")] = None,
+    mem_min_std: Annotated[
+        float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0)")
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),
     display: Annotated[bool, typer.Option(help="live progress (a table on a terminal)")] = True,
@@ -111,7 +114,7 @@ def up(
         name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
-        lr=lr, alpha=alpha, seed=seed, display=display,
+        lr=lr, alpha=alpha, mem_min_std=mem_min_std, seed=seed, display=display,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart())
     try:

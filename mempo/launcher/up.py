@@ -42,6 +42,7 @@ class UpOptions:
     max_staleness: int = 1
     lr: float | None = None
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
+    mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
     seed: int = 0
     display: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)  # every child: under the defaults
@@ -126,6 +127,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
         MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
+        MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
     )
     second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
                             env=_over(opts, "learner", learner_env)))

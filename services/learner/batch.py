@@ -197,7 +197,11 @@ def _flatten(groups: Sequence[Group]) -> tuple[_Flat, list[Trajectory]]:
 
 
 def build_batch(
-    groups: Sequence[Group], alpha: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True
+    groups: Sequence[Group],
+    alpha: float = 1.0,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    mem_min_std: float = 0.0,
 ) -> TrainingBatch:
     """Groups -> sequences, per-token advantages (A_T + alpha * A_M on <mem> tokens)."""
     if not groups:
@@ -217,7 +221,10 @@ def build_batch(
         norm_by_std,
     )  # (B,)
     memory = memory_advantage(
-        torch.tensor(flat.mem_rewards, dtype=torch.float32), torch.tensor(flat.mem_pool), eps
+        torch.tensor(flat.mem_rewards, dtype=torch.float32),
+        torch.tensor(flat.mem_pool),
+        eps,
+        mem_min_std,
     )  # (M,)
     n, length = len(sequences), max(len(s.input_ids) for s in sequences)
     loss_mask = torch.zeros(n, length, dtype=torch.bool)  # (N, L)

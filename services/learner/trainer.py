@@ -135,7 +135,8 @@ class Trainer:
         for group in groups:
             if reason := validate_group(group, self.vocab_size):
                 raise ValueError(f"group {group.group_id}: {reason}")
-        return build_batch(groups, self.config.alpha, self.config.eps, self.config.norm_by_std)
+        c = self.config
+        return build_batch(groups, c.alpha, c.eps, c.norm_by_std, c.mem_min_std)
 
     def _train(self, batch: TrainingBatch, started: float) -> dict[str, float]:
         cfg = self.config

@@ -89,6 +89,12 @@ class TrainerConfig(BaseModel):
     alpha: float = Field(default=1.0, ge=0)
     """Weight of MemPO's memory advantage on <mem> tokens; 0 gives plain GRPO."""
 
+    mem_min_std: float = Field(default=0.0, ge=0)
+    """A memory-advantage pool whose P_mem - P_full std is below this gets no memory
+    advantage (0: DESIGN.md's definition, only zero variance does). Keeps the noise of a
+    policy that rarely knows the answer from becoming unit-scale advantages; see
+    docs/results.md."""
+
     norm_by_std: bool = True
     """Divide the outcome advantage by the group's std (False: Dr.GRPO, centred reward only)."""
 

@@ -11,8 +11,11 @@ import torch
 from mempo.advantages import grpo_outcome_advantage, memory_advantage, token_advantages
 
 
-def reference_group_norm(values: list[float], ids: list[int], eps: float = 1e-6, norm: bool = True) -> list[float]:
-    """The definition, one group at a time (DESIGN.md section 1)."""
+def reference_group_norm(
+    values: list[float], ids: list[int], eps: float = 1e-6, norm: bool = True, min_std: float = 0.0
+) -> list[float]:
+    """The definition, one group at a time (DESIGN.md section 1); a group whose std is below
+    ``min_std`` (the memory advantage's option) gets 0 too."""
     out = [0.0] * len(values)
     for g in set(ids):
         members = [i for i, x in enumerate(ids) if x == g]
@@ -21,6 +24,8 @@ def reference_group_norm(values: list[float], ids: list[int], eps: float = 1e-6,
             continue  # size 1 or zero variance: advantage 0
         mean = sum(xs) / len(xs)
         std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+        if std < min_std:
+            continue
         for i in members:
             out[i] = (values[i] - mean) / (std + eps) if norm else values[i] - mean
     return out
@@ -57,12 +62,27 @@ def test_grpo_matches_reference(seed: int, binary: bool) -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_memory_advantage_matches_reference(seed: int) -> None:
+@pytest.mark.parametrize("min_std", [0.0, 0.1])
+def test_memory_advantage_matches_reference(seed: int, min_std: float) -> None:
     rng = random.Random(100 + seed)
     ids = [rng.randint(0, 3) for _ in range(rng.randint(1, 40))]
-    rewards = [rng.uniform(-1, 1) for _ in ids]
-    got = memory_advantage(torch.tensor(rewards), torch.tensor(ids))
-    assert got.tolist() == pytest.approx(reference_group_norm(rewards, ids), abs=1e-5)
+    scale = rng.choice([1.0, 0.01])  # P_mem - P_full of a competent / a clueless policy
+    rewards = [rng.uniform(-scale, scale) for _ in ids]
+    got = memory_advantage(torch.tensor(rewards), torch.tensor(ids), min_std=min_std)
+    want = reference_group_norm(rewards, ids, min_std=min_std)
+    assert got.tolist() == pytest.approx(want, abs=1e-5)
+
+
+def test_min_std_silences_only_noise_scale_pools() -> None:
+    noise, signal = [0.01, 0.0, -0.01], [0.6, 0.0, -0.6]  # std 0.01 and 0.6
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    plain = memory_advantage(torch.tensor(noise + signal), ids)
+    gated = memory_advantage(torch.tensor(noise + signal), ids, min_std=0.1)
+    assert plain[:3].tolist() == pytest.approx([1.0, 0.0, -1.0], abs=1e-3)  # noise made unit
+    assert gated[:3].tolist() == [0.0, 0.0, 0.0]
+    assert gated[3:].tolist() == pytest.approx(plain[3:].tolist())  # std above min_std
+    with pytest.raises(ValueError, match="min_std"):
+        memory_advantage(torch.tensor(noise), torch.tensor([0, 0, 0]), min_std=-1.0)
 
 
 def test_hand_computed_cases() -> None:
