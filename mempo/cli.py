@@ -158,6 +158,10 @@ def evaluate_cmd(
     modes: Annotated[str, typer.Option(help="memory,full | memory | full")] = "memory,full",
     score: Annotated[bool, typer.Option(help="also report P_mem / P_full (starts the scorer)")] = False,
     out: Annotated[Path | None, typer.Option(help="folder for eval.json, eval.png and logs")] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(help="a running engine serving --model (SGLang on a GPU); default: start a CPU engine"),
+    ] = None,
 ) -> None:
     """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task."""
     from rich.console import Console
@@ -174,10 +178,12 @@ def evaluate_cmd(
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not k_list or min(k_list) < 1 or not mode_list or set(mode_list) - {"memory", "full"}:
         fail("--ks needs positive integers and --modes memory and/or full")
+    if engine_url is not None and not engine_url.startswith(("http://", "https://")):
+        fail(f"--engine-url must be an http:// or https:// URL (got {engine_url!r})")
     quiet_hub()
     configure_logging("WARNING")
     out = out or model.resolve().parent / f"eval-{model.name}"
-    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score)
+    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine_url)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed

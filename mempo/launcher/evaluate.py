@@ -1,7 +1,8 @@
 """``mempo eval``: a policy on held-out tasks with 1..10 questions, memory and full mode.
 
-It starts the retrieval service, a CPU engine on the policy and a rollout worker in
-HTTP-only mode (plus the scorer when P_mem is wanted), sends every task to the worker's
+It starts the retrieval service, a CPU engine on the policy (or uses a running engine,
+SGLang on a GPU, given its URL) and a rollout worker in HTTP-only mode (plus the scorer
+when P_mem is wanted), sends every task to the worker's
 ``POST /v1/episodes`` (greedy decoding, one episode per task), and reports per number of
 questions and mode: EM, F1, format rate, total and peak tokens per task.
 """
@@ -39,6 +40,7 @@ class EvalOptions:
     score: bool = False  # also report P_mem / P_full (starts the scorer)
     concurrency: int = 8
     max_new_tokens: int = 256
+    engine_url: str | None = None  # a running engine serving the policy; None: start a CPU one
 
 
 def summarize(groups: list[Group]) -> dict[str, float]:
@@ -88,7 +90,8 @@ def eval_tasks(opts: EvalOptions, k: int, mode: str) -> list[Task]:
 
 
 def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
-    """Retrieval, engine, (scorer), worker in HTTP-only mode; returns the worker's URL."""
+    """Retrieval, engine (unless ``opts.engine_url``), (scorer), worker in HTTP-only mode;
+    returns the worker's URL."""
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     ports = {n: free_port() for n in ("retrieval", "engine", "scorer", "worker")}
     url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
@@ -96,10 +99,13 @@ def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
         sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"],
                   env={**one, "MEMPO_RETRIEVAL_PORT": str(ports["retrieval"]),
                        "MEMPO_RETRIEVAL_WORLD_SEED": str(opts.world_seed)}),
-        sup.start("engine", ["mempo", "rollout", "engine"], url=url["engine"],
-                  env={**one, "MEMPO_ENGINE_PORT": str(ports["engine"]), "MEMPO_ENGINE_MODEL_PATH": str(model),
-                       "MEMPO_ENGINE_THREADS": "1"}),
     ]
+    if opts.engine_url:
+        url["engine"] = opts.engine_url.rstrip("/")
+    else:
+        first.append(sup.start("engine", ["mempo", "rollout", "engine"], url=url["engine"],
+                               env={**one, "MEMPO_ENGINE_PORT": str(ports["engine"]),
+                                    "MEMPO_ENGINE_MODEL_PATH": str(model), "MEMPO_ENGINE_THREADS": "1"}))
     if opts.score:
         first.append(sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"],
                                env={**one, "MEMPO_SCORER_PORT": str(ports["scorer"]),
@@ -116,9 +122,21 @@ def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
     return url["worker"]
 
 
+def check_engine(engine_url: str) -> None:
+    """Fail now, with the reason, if the engine does not answer /model_info."""
+    try:
+        reply = httpx.get(f"{engine_url}/model_info", timeout=10.0)
+        reply.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"the engine at {engine_url} does not answer /model_info: {exc}") from None
+    log.info("evaluating on the engine at %s: %s", engine_url, reply.json().get("model_path"))
+
+
 def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
     """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}}."""
     results: dict[str, dict[str, dict[str, float]]] = {mode: {} for mode in opts.modes}
+    if opts.engine_url:
+        check_engine(opts.engine_url.rstrip("/"))
     with Supervisor(run_dir) as sup:
         worker = start_eval_services(sup, model, opts)
         for mode in opts.modes:

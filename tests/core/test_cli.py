@@ -56,6 +56,12 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str) -> N
     assert "Traceback" not in result.output
 
 
+def test_eval_wants_an_http_engine_url(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path), "--engine-url", "localhost:30000"])
+    assert result.exit_code == 2 and "--engine-url must be an http" in result.output
+
+
 def test_redis_server_starts_from_a_relative_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mempo.procs import RedisServer
 

@@ -8,11 +8,16 @@ streams, the checkpoints and metrics.jsonl on disk.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from mempo.launcher.plots import PANELS, plot_run
+from mempo.procs import free_port
 from tests.e2e.system import BATCH_GROUPS, System
 
 pytestmark = pytest.mark.e2e
@@ -97,3 +102,25 @@ def test_metrics_has_one_line_per_step_and_plots_are_written(finished: System) -
     assert {"reward.png", "tokens.png", "kl_clip.png"} <= names <= {name for name, _, _ in PANELS}
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000, path
+
+
+def test_mempo_eval_uses_a_running_engine(finished: System, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`mempo eval --engine-url` (how a GPU run evaluates on SGLang): no engine of its own."""
+
+    def mempo_eval(engine_url: str, out: Path) -> subprocess.CompletedProcess[str]:
+        argv = ["eval", "--model", str(tiny_model_dir), "--engine-url", engine_url, "--ks", "1",
+                "--tasks", "2", "--modes", "memory", "--score", "--out", str(out)]  # fmt: skip
+        return subprocess.run([sys.executable, "-m", "mempo.cli", *argv], capture_output=True, text=True, timeout=300)
+
+    done = mempo_eval(finished.ends.engines[0], tmp_path / "eval")
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]["memory"]["1"]
+    assert figures["tasks"] == 2 and figures["tokens_per_task"] > 0 and 0 <= figures["em"] <= 1
+    assert "p_mem" in figures or figures["format_rate"] < 1  # scored wherever a memory was written
+    assert sorted(p.name for p in (tmp_path / "eval" / "logs").iterdir()) == [
+        "retrieval.log", "scorer.log", "worker.log"
+    ]
+
+    nobody = mempo_eval(f"http://127.0.0.1:{free_port()}", tmp_path / "nobody")
+    assert nobody.returncode == 1 and "does not answer /model_info" in nobody.stderr
+    assert "Traceback" not in nobody.stderr and not (tmp_path / "nobody" / "logs").exists()
