@@ -127,9 +127,11 @@ def check_engine(engine_url: str) -> None:
     try:
         reply = httpx.get(f"{engine_url}/model_info", timeout=10.0)
         reply.raise_for_status()
-    except httpx.HTTPError as exc:
+        info = reply.json()
+    except (httpx.HTTPError, ValueError) as exc:  # unreachable, an error status, not JSON
         raise RuntimeError(f"the engine at {engine_url} does not answer /model_info: {exc}") from None
-    log.info("evaluating on the engine at %s: %s", engine_url, reply.json().get("model_path"))
+    served = info.get("model_path") if isinstance(info, dict) else None
+    log.info("evaluating on the engine at %s (serving %s)", engine_url, served)
 
 
 def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
