@@ -11,6 +11,9 @@ Through the real commands and services, with a fixed seed:
 4. the same RL budget with the memory advantage off (``--alpha 0``: plain GRPO with the
    same ``<mem>`` format), then eval.
 
+``--mem-min-std`` passes ``mempo up --mem-min-std`` to the MemPO run (pools whose
+P_mem - P_full std is below it get no memory advantage; default 0, DESIGN.md's A_M).
+
 Prints one JSON line {"sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem",
 "grpo_p_mem", "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes", ...}
 (EM and P_mem: held-out memory-mode tasks, greedy decoding; tokens: the MemPO policy in
