@@ -61,8 +61,12 @@ def evaluate(model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]
         run(f"eval {model}", ["eval", "--model", str(model), "--ks", args.ks, "--tasks", str(args.eval_tasks),
                               "--modes", "memory,full", "--score", "--out", str(out)])  # fmt: skip
     results = json.loads((out / "eval.json").read_text())["results"]
+    # P_mem is missing for a k where no episode wrote a memory: averaged over the others.
     return {
-        mode: {key: statistics.fmean(r[key] for r in by_k.values()) for key in next(iter(by_k.values()))}
+        mode: {
+            key: statistics.fmean(r[key] for r in by_k.values() if key in r)
+            for key in dict.fromkeys(key for r in by_k.values() for key in r)
+        }
         for mode, by_k in results.items()
     }
 

@@ -108,16 +108,11 @@ class Oracle:
         questions: Sequence[str],
         state: list[list[str]],
         last_query: str | None,
-        with_memory: bool,
     ) -> tuple[str, str | None]:
         """(response text, query or None for the answer round)."""
         t = self.tags
         specs = self._specs(questions)
-        head = (
-            f"{t.open(t.mem)}{self.format_memory(state, specs)}{t.close(t.mem)}\n"
-            if with_memory
-            else ""
-        )
+        head = f"{t.open(t.mem)}{self.format_memory(state, specs)}{t.close(t.mem)}\n"
         i = self._pending(state, specs)
         if i is None:
             answer = ANSWER_SEPARATOR.join(v[-1] for v in state)
@@ -147,16 +142,19 @@ class Oracle:
         state = self.parse_memory(memory or "", [q.hops for q in specs])
         if query is not None and information is not None:
             self.update(state, specs, query, information)
-        return self.next_response(questions, state, query, with_memory=True)[0]
+        return self.next_response(questions, state, query)[0]
 
     def respond_full(self, questions: Sequence[str], history: Sequence[tuple[str, str]]) -> str:
-        """Full mode: replay every (query, information) pair of the history."""
+        """Full mode: replay every (query, information) pair of the history. The response
+        has the same format as in memory mode, <mem> included (DESIGN.md section 7: the
+        instructions and round 1's prompt are the same in both modes; only the context
+        differs)."""
         specs = self._specs(questions)
         state: list[list[str]] = [[] for _ in specs]
         for query, information in history:
             self.update(state, specs, query, information)
         last = history[-1][0] if history else None
-        return self.next_response(questions, state, last, with_memory=False)[0]
+        return self.next_response(questions, state, last)[0]
 
     def respond_to_prompt(self, prompt_text: str, mode: str) -> str:
         """Answer a rendered prompt (the scripted engine of tests and benchmarks).

@@ -126,7 +126,8 @@ async def test_full_mode_appends_ids_and_skips_the_scorer(
         group = await worker.run_task(task)
     assert scorer.requests == [] and group.scorer_version is None
     (traj,) = group.trajectories
-    assert traj.correct and traj.p_mem == [] and all(r.mem_span is None for r in traj.rounds)
+    # The format writes <mem> in full mode too (its span is recorded); nothing scores it.
+    assert traj.correct and traj.p_mem == [] and all(r.mem_span for r in traj.rounds)
     for prev, cur in zip(traj.rounds, traj.rounds[1:], strict=False):
         head = [*prev.prompt_ids, *prev.response_ids]
         assert cur.prompt_ids[: len(head)] == head  # appended, never re-tokenised

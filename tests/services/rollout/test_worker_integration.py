@@ -94,12 +94,13 @@ async def test_a_task_end_to_end_on_the_cpu_engine(
         )
         worker_app = create_worker(settings, clients, tokenizer=None)  # tokenizer: the engine's
         async with started(worker_app, "worker") as wc:
-            for _ in range(1500):
+            for _ in range(3000):
                 if (await feeder.stream_lengths())["groups"] == 1:
                     break
                 await asyncio.sleep(0.02)
             status = (await wc.get("/v1/status")).json()
-    assert status["tasks_done"] == 1 and status["max_context_tokens"] == 4096
+    failures = await redis_client.hgetall(keys.failures)  # why, if the task did not finish
+    assert status["tasks_done"] == 1 and status["max_context_tokens"] == 4096, (status, failures)
     learner = RedisQueue(redis_client, keys, consumer="learner")
     (delivery,) = await learner.claim_groups(10, block_ms=None)
     group: Group = delivery.record
