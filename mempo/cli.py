@@ -183,7 +183,8 @@ def evaluate_cmd(
     quiet_hub()
     configure_logging("WARNING")
     out = out or model.resolve().parent / f"eval-{model.name}"
-    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine_url)
+    engine = engine_url.rstrip("/") if engine_url else None
+    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed

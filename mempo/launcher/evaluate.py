@@ -40,7 +40,7 @@ class EvalOptions:
     score: bool = False  # also report P_mem / P_full (starts the scorer)
     concurrency: int = 8
     max_new_tokens: int = 256
-    engine_url: str | None = None  # a running engine serving the policy; None: start a CPU one
+    engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
 
 
 def summarize(groups: list[Group]) -> dict[str, float]:
@@ -101,7 +101,7 @@ def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
                        "MEMPO_RETRIEVAL_WORLD_SEED": str(opts.world_seed)}),
     ]
     if opts.engine_url:
-        url["engine"] = opts.engine_url.rstrip("/")
+        url["engine"] = opts.engine_url
     else:
         first.append(sup.start("engine", ["mempo", "rollout", "engine"], url=url["engine"],
                                env={**one, "MEMPO_ENGINE_PORT": str(ports["engine"]),
@@ -138,7 +138,7 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
     """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}}."""
     results: dict[str, dict[str, dict[str, float]]] = {mode: {} for mode in opts.modes}
     if opts.engine_url:
-        check_engine(opts.engine_url.rstrip("/"))
+        check_engine(opts.engine_url)
     with Supervisor(run_dir) as sup:
         worker = start_eval_services(sup, model, opts)
         for mode in opts.modes:

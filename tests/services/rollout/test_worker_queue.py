@@ -196,7 +196,9 @@ async def test_a_task_whose_lease_lapsed_is_not_run_twice_by_its_own_worker(
         engine, local_search, tokenizer, ScriptedScorer(), queue, claim_block_ms=20
     ) as worker:
         loop = asyncio.create_task(worker.run())
-        while (await queue.stream_lengths())["tasks"]:
+        for _ in range(400):  # at most 20 s
+            if not (await queue.stream_lengths())["tasks"]:  # acked
+                break
             await asyncio.sleep(0.05)
         await worker.stop()
         assert await loop == 1
