@@ -2,7 +2,8 @@
 
 - Domain exceptions (``ServiceError`` subclasses) map to HTTP codes here, in one place.
 - Validation errors are 422 with a ``message`` naming the field; bodies over the limit
-  413; unknown routes 404; an unexpected exception is a 500 without a stack trace.
+  413 (declared or chunked); unknown routes 404; an unexpected exception is a 500 without
+  a stack trace, logged once, and the keep-alive connection stays usable.
 - ``require_admin``: admin routes take ``Authorization: Bearer <token>`` when a token is
   configured (401 when missing, 403 when wrong). Tokens are never logged.
 - ``/health``, ``/ready`` and ``/metrics`` (Prometheus text, one registry per app).
@@ -121,16 +122,42 @@ def install_error_handlers(app: FastAPI) -> None:
             ErrorBody(message=str(exc.detail)).model_dump(), exc.status_code, headers=exc.headers
         )
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            ErrorBody(message=f"internal error: {type(exc).__name__}").model_dump(), 500
-        )
-
     app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+    # Not app.add_exception_handler(Exception, ...): Starlette runs that one in its
+    # outermost middleware, which answers and then re-raises, so uvicorn logs the
+    # traceback a second time and closes the keep-alive connection. CatchUnexpected
+    # answers instead (install_common adds it).
+
+
+class CatchUnexpected:
+    """ASGI middleware: an unexpected exception is logged once and answered with a JSON
+    500; nothing is re-raised, so the server keeps the connection open for the next
+    request. (After the response has started nothing more can be sent: the server ends
+    the connection.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                body = ErrorBody(message=f"internal error: {type(exc).__name__}")
+                await _send_json(send, 500, body)
 
 
 # --------------------------------------------------------------------------- limits
@@ -159,30 +186,33 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.max_bytes)
             return message
 
         try:
             await self.app(scope, limited, send)
-        except _BodyTooLarge:
+        except _BodyTooLarge:  # read outside a route (a route turns it into its own 413)
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body = ErrorBody(
-            message=f"request body exceeds the limit of {self.max_bytes} bytes"
-        ).model_dump_json()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body.encode()})
+        message = f"request body exceeds the limit of {self.max_bytes} bytes"
+        await _send_json(send, 413, ErrorBody(message=message))
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """An HTTPException, so that FastAPI's body reading passes it on as a 413 instead of
+    wrapping it into 400 "There was an error parsing the body" (a chunked body, which has
+    no Content-Length, is only found too large while it is read)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes")
+
+
+async def _send_json(send: Send, status: int, body: BaseModel) -> None:
+    content = body.model_dump_json().encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
 
 
 # --------------------------------------------------------------------------- auth
@@ -284,6 +314,11 @@ def install_common(
     install_error_handlers(app)
     app.state.admin_token = admin_token or None
     app.state.metrics = metrics
+    # Innermost first. CatchUnexpected: count_requests sees its 500s. BodyLimit inside
+    # count_requests (a BaseHTTPMiddleware, whose receive would wrap the limit's
+    # exception into an ExceptionGroup, and a route's body reading then into a 400).
+    app.add_middleware(CatchUnexpected)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def count_requests(
@@ -296,8 +331,6 @@ def install_common(
         metrics.requests.labels(path, str(response.status_code)).inc()
         metrics.latency.labels(path).observe(time.perf_counter() - started)
         return response
-
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.get("/health", response_model=Health, tags=["ops"])
     async def health() -> Health:

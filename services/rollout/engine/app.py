@@ -28,6 +28,7 @@ from mempo.api.engine import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
+from mempo.disconnects import client_gone
 from mempo.service import AdminDep, Health, Metrics, install_common
 from services.rollout.engine.engine import Engine
 from services.rollout.engine.protocol import ContextExceeded
@@ -41,17 +42,6 @@ def get_engine(request: Request) -> Engine:
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
-
-
-async def client_gone(request: Request) -> bool:
-    """True once the client has closed the connection (the body was read already, so the
-    next ASGI message can only be a disconnect). Starlette's is_disconnected() does not
-    see it through the HTTP middleware."""
-    try:
-        message = await asyncio.wait_for(request.receive(), timeout=0.001)
-    except asyncio.TimeoutError:
-        return False
-    return bool(message.get("type") == "http.disconnect")
 
 
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
