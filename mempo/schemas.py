@@ -17,7 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mempo.arrays import LogProbs, TokenIds
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this build reads. 2 added Group.temperature (a default keeps version-1 records
+# valid: they were sampled at temperature 1, the only setting the learner could match).
+READABLE_VERSIONS = (1, 2)
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (SGLang's threshold)
 
 Mode = Literal["memory", "full"]
 Action = Literal["search", "answer", "invalid"]
@@ -33,9 +37,10 @@ class Record(BaseModel):
 
     @model_validator(mode="after")
     def _check_version(self) -> Record:
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in READABLE_VERSIONS:
             raise ValueError(
-                f"schema_version {self.schema_version} is not supported (this build reads {SCHEMA_VERSION})"
+                f"schema_version {self.schema_version} is not supported "
+                f"(this build reads {', '.join(map(str, READABLE_VERSIONS))})"
             )
         return self
 
@@ -149,6 +154,18 @@ class Group(Record):
     scorer_version: str | None = None
     worker_id: str = "unknown"
     created_at: float = Field(default_factory=time.time)
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="the sampling temperature of the rollouts (0: greedy); the engines' "
+        "log-probs are of log_softmax(logits / T) and the learner recomputes them alike",
+    )
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of the log-probs: the sampling temperature, 1 for greedy rollouts (SGLang
+        and the CPU engine report a greedy token's log-prob at T = 1)."""
+        return 1.0 if self.temperature < GREEDY_BELOW else self.temperature
 
     @model_validator(mode="after")
     def _check_group(self) -> Group:

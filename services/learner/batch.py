@@ -39,6 +39,7 @@ class TrainSequence:
     positions: np.ndarray  # (n_i,) int64, ascending, >= 1: the trained (response) tokens
     rollout_logprobs: np.ndarray  # (n_i,) float64: the engine's log-prob of each trained token
     trajectory: int = 0  # index of its trajectory in the batch
+    temperature: float = 1.0  # the T of the log-probs: log_softmax(logits / T) (Group's)
     rounds: tuple[int, ...] = ()  # round indices it covers
     spans: tuple[tuple[int, int, int], ...] = ()  # (start, end, round index) of <mem> spans
 
@@ -94,7 +95,7 @@ class TrainingBatch:
 # --------------------------------------------------------------------------- sequences
 
 
-def _round_sequence(traj: Trajectory, t: int, b: int) -> TrainSequence:
+def _round_sequence(traj: Trajectory, t: int, b: int, temperature: float) -> TrainSequence:
     rnd = traj.rounds[t]
     prompt, response = rnd.prompt_ids.numpy(), rnd.response_ids.numpy()
     start = len(prompt)
@@ -104,12 +105,13 @@ def _round_sequence(traj: Trajectory, t: int, b: int) -> TrainSequence:
         positions=np.arange(start, start + len(response), dtype=np.int64),
         rollout_logprobs=rnd.response_logprobs.numpy(),
         trajectory=b,
+        temperature=temperature,
         rounds=(t,),
         spans=spans,
     )
 
 
-def _full_sequence(traj: Trajectory, b: int) -> TrainSequence | None:
+def _full_sequence(traj: Trajectory, b: int, temperature: float) -> TrainSequence | None:
     """The trajectory as one sequence, or None when its rounds are not prefix-consistent."""
     last = traj.rounds[-1]
     ids = np.concatenate([last.prompt_ids.numpy(), last.response_ids.numpy()]).astype(np.int64)
@@ -130,18 +132,22 @@ def _full_sequence(traj: Trajectory, b: int) -> TrainSequence | None:
         positions=np.concatenate(positions),
         rollout_logprobs=np.concatenate(logprobs),
         trajectory=b,
+        temperature=temperature,
         rounds=tuple(range(len(traj.rounds))),
         spans=tuple(spans),
     )
 
 
-def trajectory_sequences(traj: Trajectory, full_mode: bool, b: int = 0) -> list[TrainSequence]:
-    """The sequences a trajectory trains as; those without a trained token are left out."""
-    whole = _full_sequence(traj, b) if full_mode else None
+def trajectory_sequences(
+    traj: Trajectory, full_mode: bool, b: int = 0, temperature: float = 1.0
+) -> list[TrainSequence]:
+    """The sequences a trajectory trains as; those without a trained token are left out.
+    ``temperature``: the T its log-probs were taken at (``Group.logprob_temperature``)."""
+    whole = _full_sequence(traj, b, temperature) if full_mode else None
     sequences = (
         [whole]
         if whole is not None
-        else [_round_sequence(traj, t, b) for t in range(len(traj.rounds))]
+        else [_round_sequence(traj, t, b, temperature) for t in range(len(traj.rounds))]
     )
     return [s for s in sequences if s.num_trained > 0]
 
@@ -210,7 +216,10 @@ def build_batch(
     sequences = [
         seq
         for b, traj in enumerate(trajectories)
-        for seq in trajectory_sequences(traj, groups[flat.group_of[b]].task.mode == "full", b)
+        for group in (groups[flat.group_of[b]],)
+        for seq in trajectory_sequences(
+            traj, group.task.mode == "full", b, group.logprob_temperature
+        )
     ]
     if not sequences:
         raise ValueError("the batch has no response token to train on")

@@ -37,6 +37,7 @@ class MicroBatch:
     attention_mask: Tensor | None  # (R, C) padded layout only
     keep: Tensor  # (R, C) bool: the logits here predict a trained token
     targets: Tensor  # (K,) the trained tokens, row-major
+    temperature: Tensor  # (K,) float32: the T of each trained token's log-prob (its Group's)
     token_index: Tensor  # (K,) their indices in the batch's trained-token space
     sequences: tuple[int, ...]
     num_tokens: int  # real (non-padding) tokens
@@ -52,6 +53,7 @@ class MicroBatch:
             else self.attention_mask.to(device, non_blocking=True),
             keep=self.keep.to(device, non_blocking=True),
             targets=self.targets.to(device, non_blocking=True),
+            temperature=self.temperature.to(device, non_blocking=True),
             token_index=self.token_index.to(device, non_blocking=True),
         )
 
@@ -122,7 +124,7 @@ def _assemble(batch: TrainingBatch, rows: list[list[int]], pad_id: int, padded: 
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     keep = torch.zeros(shape, dtype=torch.bool)
-    targets, order = [], []
+    targets, temperature, order = [], [], []
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
@@ -134,6 +136,7 @@ def _assemble(batch: TrainingBatch, rows: list[list[int]], pad_id: int, padded: 
             positions = torch.from_numpy(seq.positions)
             keep[r, offset + positions - 1] = True  # logits at p - 1 predict token p
             targets.append(ids[positions])
+            temperature.append(torch.full((len(positions),), seq.temperature))
             order.append(i)
             offset += n
         position_ids[r, offset:] = torch.arange(shape[1] - offset)  # padding: a block of its own
@@ -146,6 +149,7 @@ def _assemble(batch: TrainingBatch, rows: list[list[int]], pad_id: int, padded: 
         attention_mask=attention_mask,
         keep=keep,
         targets=torch.cat(targets),
+        temperature=torch.cat(temperature),
         token_index=batch.token_index(order),
         sequences=tuple(order),
         num_tokens=sum(widths),
@@ -160,6 +164,7 @@ def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
         attention_mask=None,
         keep=torch.tensor([[True, False]]),
         targets=torch.full((1,), pad_id, dtype=torch.long),
+        temperature=torch.ones(1),
         token_index=torch.zeros(0, dtype=torch.long),
         sequences=(),
         num_tokens=0,
@@ -167,10 +172,11 @@ def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
     )
 
 
-def forward_logprobs(
-    model: torch.nn.Module, micro: MicroBatch, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def forward_logprobs(model: torch.nn.Module, micro: MicroBatch) -> tuple[Tensor, Tensor]:
     """Log-prob of every trained token and the logits it came from: (K,), (K, V).
+
+    Both of the distribution the rollout sampled from: ``log_softmax(logits / T)`` with
+    each token's own T (its Group's temperature), as SGLang and the CPU engine report.
 
     One packed row passes ``logits_to_keep`` as a 1-D index (any transformers version);
     several rows need the 2-D boolean form (transformers 5).
@@ -185,7 +191,6 @@ def forward_logprobs(
         use_cache=False,
     )
     logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # (K, V)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = logits / micro.temperature[:, None]  # exact where T = 1
     logp = logits.log_softmax(-1).gather(1, micro.targets[:, None]).squeeze(1)  # (K,)
     return logp, logits

@@ -180,7 +180,7 @@ class Trainer:
         for micro in self._my_micro_batches(batch, mini):
             micro = micro.to(self.dist.device)
             with self._autocast():
-                logp, logits = forward_logprobs(self.policy, micro, self.config.temperature)
+                logp, logits = forward_logprobs(self.policy, micro)
             if micro.dummy:  # keeps the ranks' collectives in step on a rank without work
                 (logits.sum() * 0.0).backward()
                 continue
@@ -228,9 +228,7 @@ class Trainer:
         out = torch.zeros(batch.num_tokens)
         for micro in self._my_micro_batches(batch, list(range(len(batch.sequences)))):
             with self._autocast():
-                logp, _ = forward_logprobs(
-                    model, micro.to(self.dist.device), self.config.temperature
-                )
+                logp, _ = forward_logprobs(model, micro.to(self.dist.device))
             if not micro.dummy:
                 out[micro.token_index] = logp.float().cpu()
         model.train(was_training)

@@ -82,9 +82,6 @@ class TrainerConfig(BaseModel):
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, or traj-mean-token-mean (the
     paper's Eq. 10); see mempo.losses.agg_loss."""
 
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of the rollouts: log-probs are taken of logits / temperature."""
-
     # ----------------------------------------------------------------- advantages
     alpha: float = Field(default=1.0, ge=0)
     """Weight of MemPO's memory advantage on <mem> tokens; 0 gives plain GRPO."""

@@ -55,6 +55,7 @@ class GroupRunner:
             ),
             scorer_version=scorer_version,
             worker_id=self.worker_id,
+            temperature=self.episodes.config.temperature,
         )
 
     async def _episode(self, task: Task) -> EpisodeResult:

@@ -68,7 +68,8 @@ class WorkerSettings(ServiceSettings):
     """Tokens the engine may generate per round."""
 
     temperature: float = Field(default=1.0, ge=0.0)
-    """Sampling temperature (0: greedy); always sent explicitly to the engine."""
+    """Sampling temperature (0: greedy); always sent explicitly to the engine, and carried
+    in every Group: the learner recomputes log-probs at it (log_softmax(logits / T))."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling."""

@@ -2,10 +2,11 @@
 
 Glossary: ``B`` rows of the batch, ``V`` vocabulary.
 
-The log-prob returned for a token is ``log_softmax`` of the model's raw logits, i.e. at
-temperature 1 and before top-p / top-k filtering. That is the quantity PPO needs (the
-policy's own probability); SGLang reports the same at temperature 1 (by default it
-divides by the temperature first). Temperature 0 (below 1e-5, as SGLang) is greedy.
+The log-prob returned for a token is ``log_softmax(logits / T)``: of the distribution
+sampled from, before top-p / top-k filtering, as SGLang reports it (``layers/sampler.py``,
+unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``). The learner recomputes the same quantity
+with the temperature the Group carries. Temperature 0 (below 1e-5, as SGLang) is greedy;
+a greedy row's log-prob is at T = 1, as SGLang (it samples greedy rows with T = 1, top-k 1).
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def sample_next(
     torch.multinomial draws B x V); a row with its own generator draws from it, so its
     sample does not depend on the rest of the batch."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy log-probs
+    scaled = logits / rows.temperature[:, None]  # (B, V), T = 1 on greedy rows
+    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V) of the sampled distribution
     tokens = logits.argmax(dim=-1) if rows.any_greedy else None  # (B,)
     if not rows.all_greedy:
-        scaled = logits / rows.temperature[:, None]
         if rows.filtered:
             scaled = filter_logits(scaled, rows.top_p, rows.top_k)
         cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # (B, V)

@@ -41,13 +41,17 @@ def test_filter_logits_matches_a_plain_loop(seed: int) -> None:
         assert got[r].tolist() == want
 
 
-def test_greedy_rows_take_the_argmax_and_logprobs_are_raw() -> None:
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    rows = SamplingRows.build([RowParams(0.0), RowParams(2.0), RowParams(0.0)], 50)
+def test_logprobs_are_of_the_temperature_scaled_distribution() -> None:
+    """SGLang's semantics: log_softmax(logits / T) before top-p / top-k; T = 1 on greedy rows."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [RowParams(0.0), RowParams(2.0), RowParams(0.0), RowParams(0.6, top_p=0.5, top_k=3)]
+    rows = SamplingRows.build(params, 50)
     tokens, chosen = sample_next(logits, rows, torch.Generator().manual_seed(1))
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
-    raw = torch.log_softmax(logits, -1)  # temperature 1, whatever the row's temperature
-    assert torch.allclose(chosen, raw[torch.arange(3), tokens])
+    temperature = torch.tensor([1.0, 2.0, 1.0, 0.6])[:, None]
+    want = torch.log_softmax(logits / temperature, -1)[torch.arange(4), tokens]
+    assert torch.allclose(chosen, want, atol=1e-6)
+    assert not torch.allclose(chosen[1], torch.log_softmax(logits, -1)[1, tokens[1]])
 
 
 def test_inverse_cdf_sampling_follows_the_distribution() -> None:

@@ -45,11 +45,12 @@ def perturbed_copy(src: Path, dst: Path, seed: int, scale: float = 0.5) -> Path:
     return dst
 
 
-def teacher_forced(model: Any, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t = 1..len-1 from one plain forward pass."""
+def teacher_forced(model: Any, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t = 1..len-1 from one plain forward pass, of the
+    distribution at ``temperature`` (log_softmax(logits / T))."""
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0]  # (T, V)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     targets = torch.tensor(ids[1:])
     return logprobs[:-1].gather(-1, targets[:, None])[:, 0].tolist()
 
