@@ -5,11 +5,13 @@ Used by ``mempo up`` and by the tests that run real servers.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -58,12 +60,13 @@ class RedisServer:
         self.directory = Path(directory).resolve()  # redis chdirs to --dir before --logfile
         self.port = port or free_port()  # kept across stop and start
         self.appendonly = appendonly
-        self.password = password  # --requirepass: clients must AUTH
+        self.password = password  # requirepass (fed on stdin, never on the command line)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        """The server's URL, password URL-quoted (any character survives the round trip)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
@@ -75,6 +78,7 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             binary,
+            "-",  # the rest of the configuration (the password) comes on stdin, not in ps
             "--port",
             str(self.port),
             "--bind",
@@ -89,9 +93,15 @@ class RedisServer:
             str(self.directory / "redis.log"),
             "--protected-mode",
             "yes",
-            *(["--requirepass", self.password] if self.password else []),
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        assert self.proc.stdin is not None
+        config = f"requirepass {config_quote(self.password)}\n" if self.password else ""
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.write(config.encode())
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -110,9 +120,9 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
                 if password:
-                    sock.sendall(f"AUTH {password}\r\n".encode())
+                    sock.sendall(resp_command("AUTH", password))
                     sock.recv(256)
-                sock.sendall(b"PING\r\n")
+                sock.sendall(resp_command("PING"))
                 return sock.recv(256).split(b"\r\n")[0]
         except OSError:
             return b""
@@ -132,3 +142,16 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def config_quote(value: str) -> str:
+    """A redis.conf argument holding ``value`` exactly (double quotes, escapes)."""
+    if any(c in value for c in "\r\n\0"):
+        raise ValueError("a Redis password cannot hold a line break or a NUL")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def resp_command(*parts: str) -> bytes:
+    """One command in RESP (arguments may hold spaces and any other character)."""
+    encoded = [part.encode() for part in parts]
+    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(e), e) for e in encoded)

@@ -12,6 +12,7 @@ the "burst" mode tests use to drain a stream deterministically.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field, ValidationError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from mempo.arrays import dump_with_sidecar, load_with_sidecar
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
@@ -61,11 +62,35 @@ class Delivery(Generic[R]):
     deliveries: int
 
 
-def connect(url: str) -> aioredis.Redis:
-    """An asyncio Redis client with string replies and bounded connect time."""
-    return aioredis.Redis.from_url(
-        url, decode_responses=True, socket_connect_timeout=5, health_check_interval=15
-    )
+def connect(url: str, password: str | None = None) -> aioredis.Redis:
+    """An asyncio Redis client with string replies and bounded connect time.
+
+    ``password`` travels apart from the URL, so it may hold any character (a password in
+    the URL must be URL-quoted). A URL that does not parse is a ValueError whose message
+    holds no part of the URL: a mis-quoted password would leak through it."""
+    extra: dict[str, Any] = {"password": password} if password else {}
+    try:
+        return aioredis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=5, health_check_interval=15, **extra
+        )
+    except ValueError:
+        raise ValueError(
+            "the Redis URL does not parse (URL-quote a password in it, or set the password "
+            "in the service's REDIS_PASSWORD setting)"
+        ) from None
+
+
+async def redis_problem(redis: aioredis.Redis, timeout_s: float = 2.0) -> str | None:
+    """Why Redis cannot be used now (unreachable, wrong password, ...), or None if PING works.
+    The reason names the error, never the URL or a secret."""
+    for attempt in range(2):  # a pooled connection that Redis closed fails once, then reconnects
+        try:
+            await asyncio.wait_for(redis.ping(), timeout_s)  # type: ignore[misc]
+            return None
+        except (RedisError, OSError, TimeoutError) as exc:
+            detail = str(exc).splitlines()[0][:200] if str(exc) else "no answer"
+            problem = f"Redis is not usable: {type(exc).__name__}: {detail}"
+    return problem
 
 
 class RedisQueue:

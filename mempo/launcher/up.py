@@ -76,7 +76,10 @@ def _over(opts: UpOptions, service: str, env: dict[str, str]) -> dict[str, str]:
 def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str) -> Endpoints:
     """Start every service as a child process and wait until all are ready."""
     run = opts.run_dir.resolve()
-    token = secrets.token_hex(16)  # this run's admin token: only in child environments
+    # One secret per service, only in the environments of the children that need it: the
+    # scorer's and the workers' tokens (the learner holds both), each engine's own key
+    # (its worker alone holds it: the learner updates an engine through its worker).
+    scorer_token, worker_token = secrets.token_hex(16), secrets.token_hex(16)
     weights = run / "weights"
     weights.mkdir(parents=True, exist_ok=True)
     prefix = "mempo:" if not os.environ.get("MEMPO_REDIS_URL") else f"mempo:{opts.name}:"
@@ -89,18 +92,20 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
             opts, "retrieval", _env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"]))),
         sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_over(opts, "scorer", _env(
             one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
-            MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=token,
+            MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=scorer_token,
             MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_REDIS_PREFIX=prefix,
             MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0"))),
     ]
     engines, workers = [], []
+    engine_keys = [secrets.token_hex(16) for _ in range(opts.rollout_replicas)]
     for i in range(opts.rollout_replicas):
         port = free_port()
         engines.append(f"http://127.0.0.1:{port}")
         first.append(sup.start(f"engine-{i}", ["mempo", "rollout", "engine"], url=engines[-1], env=_over(
             opts, "engine", _env(
                 one_thread, MEMPO_ENGINE_PORT=port, MEMPO_ENGINE_MODEL_PATH=model,
-                MEMPO_ENGINE_WEIGHTS_ROOT=weights, MEMPO_ENGINE_ADMIN_TOKEN=token,
+                MEMPO_ENGINE_HOST="127.0.0.1", MEMPO_ENGINE_WEIGHTS_ROOT=weights,
+                MEMPO_ENGINE_ADMIN_TOKEN=engine_keys[i],
                 MEMPO_ENGINE_THREADS=1, MEMPO_ENGINE_SEED=opts.seed + i))))
     sup.wait_ready(first, opts.ready_timeout_s)
 
@@ -112,7 +117,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
             opts, "worker", _env(
                 one_thread, MEMPO_ROLLOUT_PORT=port, MEMPO_ROLLOUT_REDIS_URL=redis_url,
                 MEMPO_ROLLOUT_KEY_PREFIX=prefix, MEMPO_ROLLOUT_WORKER_ID=f"worker-{i}",
-                MEMPO_ROLLOUT_ENGINE_URL=engine, MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=token,
+                MEMPO_ROLLOUT_ENGINE_URL=engine, MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=engine_keys[i],
+                MEMPO_ROLLOUT_ADMIN_TOKEN=worker_token,
                 MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
                 MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
                 MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
@@ -121,7 +127,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
         MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,
         MEMPO_LEARNER_CHECKPOINT_DIR=run / "checkpoints", MEMPO_LEARNER_WEIGHTS_ROOT=weights,
-        MEMPO_LEARNER_ENGINE_ADMIN_TOKEN=token, MEMPO_LEARNER_TOTAL_STEPS=opts.steps,
+        MEMPO_LEARNER_WORKER_ADMIN_TOKEN=worker_token, MEMPO_LEARNER_SCORER_ADMIN_TOKEN=scorer_token,
+        MEMPO_LEARNER_TOTAL_STEPS=opts.steps,
         MEMPO_LEARNER_QUESTIONS_PER_TASK=opts.questions_per_task, MEMPO_LEARNER_GROUP_SIZE=opts.group_size,
         MEMPO_LEARNER_BATCH_GROUPS=opts.batch_groups, MEMPO_LEARNER_MODE=opts.mode,
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
@@ -178,7 +185,7 @@ def run_up(opts: UpOptions, model: Path) -> dict[str, Any]:
     started = time.monotonic()
     try:
         if not redis_url:
-            redis = RedisServer(run / "redis", appendonly=True).start()
+            redis = RedisServer(run / "redis", appendonly=True, password=secrets.token_hex(16)).start()
             redis_url = redis.url
         with Supervisor(run) as sup, Progress(opts.steps, enabled=opts.display) as progress:
             progress.note(f"starting services (logs in {run / 'logs'})")

@@ -108,9 +108,9 @@ class LearnerLoop:
         publisher = WeightPublisher(
             queue,
             settings.weights_root,
-            admin_token=settings.engine_token(),
             timeout_s=settings.publish_timeout_s,
             keep_versions=settings.keep_versions,
+            role_tokens=settings.role_tokens(),
         )
         loop = cls(settings, queue, trainer, consumer, admission, publisher, metrics)
         if resumed:

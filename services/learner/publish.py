@@ -5,10 +5,11 @@
    engine never sees half a version.
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
-3. Every live registered engine (rollout engines and the scorer) gets
-   ``POST /update_weights_from_disk`` in parallel, with a timeout and the admin token.
-   One that fails is reported stale and catches up from the pointer; the publish still
-   succeeds for the others.
+3. Every live registration gets ``POST /update_weights_from_disk`` in parallel, with a
+   timeout and the admin token of its role: a rollout replica at its worker's URL (the
+   worker forwards to its engine, which is not reachable from outside the replica), the
+   scorer at its own. One that fails is reported stale and catches up from the pointer;
+   the publish still succeeds for the others.
 4. Versions no longer in use are deleted: older than the last ``keep_versions``, and
    not the version a stale engine still serves.
 """
@@ -23,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Protocol
 
 import httpx
@@ -77,12 +79,16 @@ class WeightPublisher:
     ) -> None:
         if keep_versions < 1:
             raise ValueError("keep_versions must be at least 1 (the current version)")
+        role_tokens: Mapping[str, str | None] | None = None,
         self.queue = queue
+        """``role_tokens``: the admin token per registry role ("rollout": the workers',
+        "scorer": the scorer's); a role not in it gets ``admin_token``."""
         self.root = Path(weights_root)
         self.admin_token = admin_token
         self.timeout_s = timeout_s
         self.keep_versions = keep_versions
         self._parallel = asyncio.Semaphore(max_parallel)
+        self.role_tokens = dict(role_tokens or {})
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
     async def aclose(self) -> None:
@@ -143,13 +149,21 @@ class WeightPublisher:
     ) -> tuple[dict[str, str], dict[str, float]]:
         """Update every engine (each URL once) in parallel: (URL -> error of those that
         failed, URL -> seconds of each call)."""
-        urls = sorted({_base(e.url) for e in engines})
-        results = await asyncio.gather(*(self._update(url, path, version) for url in urls))
+        roles = {_base(e.url): e.role for e in engines}
+        urls = sorted(roles)
+        results = await asyncio.gather(
+            *(self._update(url, self.token_for(roles[url]), path, version) for url in urls)
+        )
         errors = {url: error for url, (error, _) in zip(urls, results, strict=True) if error}
         return errors, {url: took for url, (_, took) in zip(urls, results, strict=True)}
 
-    async def _update(self, url: str, path: Path, version: int) -> tuple[str | None, float]:
-        client = EngineClient(url, admin_token=self.admin_token, client=self.http)
+    def token_for(self, role: str) -> str | None:
+        return self.role_tokens.get(role, self.admin_token)
+
+    async def _update(
+        self, url: str, token: str | None, path: Path, version: int
+    ) -> tuple[str | None, float]:
+        client = EngineClient(url, admin_token=token, client=self.http)
         async with self._parallel:
             started = time.perf_counter()
             try:

@@ -35,7 +35,7 @@ _REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 class LearnerRunner:
     def __init__(self, settings: LearnerSettings, metrics: LearnerMetrics) -> None:
         self.settings, self.metrics = settings, metrics
-        self.redis = connect(settings.redis_url)
+        self.redis = connect(settings.redis_url, settings.redis_password_value())
         self.queue = RedisQueue(
             self.redis,
             settings.keys(),

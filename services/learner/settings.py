@@ -75,8 +75,16 @@ class LearnerSettings(ServiceSettings):
     total_steps: int = Field(default=0, ge=0)
     """Stop after this many steps (counted across restarts); 0 trains forever."""
 
-    engine_admin_token: SecretStr | None = None
-    """Bearer token of the engines' and scorer's admin routes. Unset: admin_token."""
+    worker_admin_token: SecretStr | None = None
+    """Bearer token of the rollout workers' admin routes: weights reach each replica's
+    engine through its worker (the workers' MEMPO_ROLLOUT_ADMIN_TOKEN)."""
+
+    scorer_admin_token: SecretStr | None = None
+    """Bearer token of the scorer's admin routes (the scorer's MEMPO_SCORER_ADMIN_TOKEN)."""
+
+    redis_password: SecretStr | None = None
+    """Redis password, kept out of redis_url (any characters; a password in the URL must be
+    URL-quoted)."""
 
     publish_timeout_s: float = Field(default=300.0, gt=0)
     """Timeout of one engine's weight update."""
@@ -134,9 +142,15 @@ class LearnerSettings(ServiceSettings):
     def keys(self) -> Keys:
         return Keys(self.key_prefix)
 
-    def engine_token(self) -> str | None:
-        token = self.engine_admin_token or self.admin_token
-        return token.get_secret_value() if token else None
+    def role_tokens(self) -> dict[str, str | None]:
+        """The admin token of each registry role the learner publishes weights to."""
+        return {
+            "rollout": _secret(self.worker_admin_token),
+            "scorer": _secret(self.scorer_admin_token),
+        }
+
+    def redis_password_value(self) -> str | None:
+        return _secret(self.redis_password)
 
     def resolved_model_path(self) -> str:
         if self.model_path:
@@ -151,6 +165,10 @@ class LearnerSettings(ServiceSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value else None
 
 
 def parse_ks(value: str | int) -> list[int]:

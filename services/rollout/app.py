@@ -10,6 +10,7 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 
 from mempo.agent_format import Tokenizer
+from mempo.api.engine import UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from mempo.api.rollout import EpisodesRequest, WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.clients.retrieval import RetrievalError
@@ -18,7 +19,16 @@ from mempo.keys import Keys
 from mempo.queue import RedisQueue, connect
 from mempo.retry import RetryableStatus
 from mempo.schemas import Group
-from mempo.service import ErrorBody, Metrics, NotReady, Upstream, install_common
+from mempo.service import (
+    AdminDep,
+    BadInput,
+    ErrorBody,
+    Metrics,
+    NotReady,
+    ServiceError,
+    Upstream,
+    install_common,
+)
 from services.rollout.group import ScoringFailed
 from services.rollout.metrics import WorkerMetrics
 from services.rollout.settings import WorkerSettings
@@ -33,6 +43,15 @@ UPSTREAM_ERRORS = (
     RetryableStatus,  # 5xx / 429 after the client's retries
     httpx.HTTPError,
 )
+
+
+class EngineAnswer(ServiceError):
+    """The engine's own refusal of a forwarded call, with its status; a refused engine key
+    is 502 (the worker's configuration is wrong, not the caller's token)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 def get_worker(request: Request) -> RolloutWorker:
@@ -54,7 +73,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         clients = upstreams or Upstreams.from_settings(settings)
-        redis = connect(settings.redis_url) if settings.redis_url else None
+        password = settings.redis_password.get_secret_value() if settings.redis_password else None
+        redis = connect(settings.redis_url, password) if settings.redis_url else None
         queue = (
             RedisQueue(
                 redis,
@@ -81,7 +101,10 @@ def create_app(
 
     async def ready() -> tuple[bool, str | None]:
         worker: RolloutWorker | None = getattr(app.state, "worker", None)
-        return worker.readiness() if worker else (False, "starting")
+        if worker is None:
+            return False, "starting"
+        await worker.check_redis()
+        return worker.readiness()
 
     install_common(
         app, "rollout", metrics.metrics, ready, settings.max_body_bytes, settings.admin_token_value()
@@ -90,7 +113,36 @@ def create_app(
     @app.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])
     async def status(worker: WorkerDep) -> WorkerStatus:
         """What the worker is doing: readiness, versions, in-flight work, counters."""
+        await worker.check_redis()
         return worker.status()
+
+    @app.post(
+        "/update_weights_from_disk",
+        response_model=UpdateWeightsResponse,
+        tags=["admin"],
+        responses={502: {"model": ErrorBody}},
+    )
+    async def update_weights_from_disk(
+        body: UpdateWeightsFromDiskRequest, worker: WorkerDep, _: AdminDep
+    ) -> UpdateWeightsResponse:
+        """Load published weights into this replica's engine (the learner's weight push).
+
+        The engine is not reachable from outside the replica; this route, guarded by the
+        worker's own admin token, forwards to it with the engine's key. An engine's 4xx
+        answer is passed on; an engine that cannot be reached is 502."""
+        if body.weight_version is None:
+            raise BadInput("weight_version: required (the worker tracks its engine's version)")
+        try:
+            return await worker.update_engine(
+                body.model_path, body.weight_version, body.abort_all_requests
+            )
+        except EngineError as exc:
+            code = exc.status_code or 502
+            refused_key = code == 401 or (code == 403 and "token" in str(exc).lower())
+            status = 502 if code >= 500 or refused_key else code
+            raise EngineAnswer(f"the engine: {exc}", status) from exc
+        except httpx.HTTPError as exc:
+            raise Upstream(f"the engine: {type(exc).__name__}: {exc}") from exc
 
     @app.post(
         "/v1/episodes",

@@ -25,6 +25,10 @@ class WorkerSettings(ServiceSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis holding the task and group streams. Empty: no consumer loop (HTTP only)."""
 
+    redis_password: SecretStr | None = None
+    """Redis password, kept out of redis_url (any characters; a password in the URL must be
+    URL-quoted)."""
+
     key_prefix: str = "mempo:"
     """Prefix of every Redis key (several runs can share one Redis)."""
 
@@ -34,11 +38,9 @@ class WorkerSettings(ServiceSettings):
     engine_url: str = "http://127.0.0.1:30000"
     """Base URL of this worker's engine (SGLang, or the CPU engine)."""
 
-    engine_public_url: str | None = None
-    """URL under which the learner reaches the engine for weight updates (default: engine_url)."""
-
     engine_admin_token: SecretStr | None = None
-    """Bearer token of the engine's admin routes (weight updates)."""
+    """Bearer token of the engine's admin routes (the engine's own key: only this worker
+    uses it; the learner updates the engine through the worker's admin route)."""
 
     engine_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of one engine request."""
@@ -102,10 +104,18 @@ class WorkerSettings(ServiceSettings):
     """On shutdown, in-flight tasks get this long to finish before they are cancelled."""
 
     public_url: str | None = None
-    """This worker's own URL, published in the registry (for /v1/episodes callers)."""
+    """This worker's own URL, published in the registry: the learner calls its
+    /update_weights_from_disk there. Unset: http://<host>:<port> (127.0.0.1 for 0.0.0.0)."""
 
     consume: bool = True
     """Run the Redis consumer loop (false: serve /v1/episodes only)."""
 
     def engine_admin_token_value(self) -> str | None:
         return self.engine_admin_token.get_secret_value() if self.engine_admin_token else None
+
+    def own_url(self) -> str:
+        """What the registry says the learner should call (``public_url`` or host:port)."""
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"

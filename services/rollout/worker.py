@@ -28,9 +28,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.agent_format import Tokenizer
+from mempo.api.engine import UpdateWeightsResponse
 from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
-from mempo.queue import Delivery, EngineInfo, RedisQueue
+from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
 from mempo.retry import Backoff, retry_async
 from mempo.schemas import Group, Task, parse_weight_version
 from services.rollout.episode import EpisodeConfig, EpisodeRunner
@@ -73,6 +74,8 @@ class RolloutWorker:
         self._policy_lock = asyncio.Lock()
         self._handlers: dict[str, asyncio.Task[bool]] = {}  # by task entry id
         self._background: list[asyncio.Task[None]] = []
+        self.redis_reason: str | None = None  # why Redis cannot be used, as last checked
+        self._redis_checked = -1.0
 
     # ----------------------------------------------------------------- start-up
 
@@ -277,16 +280,35 @@ class RolloutWorker:
             else:
                 log.warning("the engine refused policy %d: %s", policy.version, reply.message)
 
+    async def update_engine(
+        self, model_path: str, weight_version: str, abort_all_requests: bool = False
+    ) -> UpdateWeightsResponse:
+        """The learner's weight push, forwarded to this replica's engine (its admin key
+        stays here): the version is known at once for the groups in flight."""
+        async with self._policy_lock:
+            in_flight = self.metrics.in_flight_episodes
+            reply = await self.upstreams.engine.update_weights_from_disk(
+                model_path, weight_version, abort_all_requests
+            )
+            if reply.success and self.groups is not None:
+                self.groups.episodes.engine_version = weight_version
+        log.info(
+            "engine update to weights %s: %s (%d episodes in flight)",
+            weight_version, "done" if reply.success else reply.message, in_flight,
+        )
+        return reply
+
     def registry_entry(self) -> EngineInfo:
+        """The learner updates this replica through the worker: the entry's URL is ours."""
         s = self.settings
         version = self.groups.episodes.engine_version if self.groups else "0"
         return EngineInfo(
             id=s.worker_id,
             role="rollout",
-            url=s.engine_public_url or s.engine_url,
+            url=s.own_url(),
             weight_version=version,
             started_at=self.started_at,
-            worker_url=s.public_url,
+            worker_url=s.own_url(),
         )
 
     async def _heartbeat(self) -> None:
@@ -320,7 +342,17 @@ class RolloutWorker:
     def readiness(self) -> tuple[bool, str | None]:
         if self._stopping.is_set():
             return False, "shutting down"
-        return self.groups is not None, self.reason
+        if self.groups is None:
+            return False, self.reason
+        return self.redis_reason is None, self.redis_reason
+
+    async def check_redis(self) -> None:
+        """Refresh ``redis_reason`` (a PING, at most once a second): a worker that cannot
+        reach Redis, or is refused by it, is not ready."""
+        if self.queue is None or time.monotonic() - self._redis_checked < 1.0:
+            return
+        self._redis_checked = time.monotonic()
+        self.redis_reason = await redis_problem(self.queue.redis)
 
     def status(self) -> WorkerStatus:
         ready, reason = self.readiness()

@@ -106,6 +106,7 @@ def _lifespan(
         task = asyncio.create_task(registration.run(stop)) if registration else None
         try:
             yield
+        app.state.registration = registration
         finally:
             stop.set()
             if task is not None and registration is not None:
@@ -133,6 +134,9 @@ def create_app(
         return True, None
 
     install_common(
+        registration = getattr(app.state, "registration", None)
+        if registration is not None and registration.problem:
+            return False, registration.problem  # it would never receive weight updates
         app, "scorer", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
     )
     app.include_router(router)

@@ -1,7 +1,8 @@
 """The scorer in the engine registry: heartbeat, and catching up with the policy pointer.
 
 Every ``heartbeat_s`` the scorer registers itself (role "scorer", TTL three beats) so
-the learner publishes weights to it like to an engine, and reads ``mempo:policy``:
+the learner publishes weights to it like to an engine (``problem`` says why it is not
+registered: the scorer's /ready is 503 until it is), and reads ``mempo:policy``:
 when the pointer is newer than its weights (a late start, a failed push) it loads that
 path itself. Redis errors are logged and retried with capped backoff; they never stop
 the scorer.
@@ -58,15 +59,18 @@ class Registration:
         self.id = engine_id(settings)
         self.url = public_url(settings)
         self.started_at = time.time()
-        self.queue = RedisQueue(connect(settings.redis_url), Keys(settings.redis_prefix))
+        password = settings.redis_password.get_secret_value() if settings.redis_password else None
+        self.queue = RedisQueue(connect(settings.redis_url, password), Keys(settings.redis_prefix))
         self.ttl_s = max(1, round(3 * settings.heartbeat_s))
         self.beats = 0
+        self.problem: str | None = "not registered in Redis yet"  # None: registered
         self._failed_version: int | None = None  # a pointer that failed to load, not retried
 
     async def beat(self) -> None:
         """One heartbeat: register, then catch up with the policy pointer if it is newer."""
         await self.queue.register_engine(self._info(), self.ttl_s)
         self.beats += 1
+        self.problem = None
         pointer = await self.queue.get_policy()
         if pointer is None or not is_newer(pointer, self.service.current.version):
             return
@@ -95,16 +99,23 @@ class Registration:
 
     async def run(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base=0.5, cap=30.0)
+        retried = False
         while not stop.is_set():
             try:
                 await self.beat()
+                retried = False
                 backoff.reset()
                 delay = self.settings.heartbeat_s
             except (RedisError, OSError) as exc:
-                delay = backoff.next_delay()
+                if self.problem is None and not retried:
+                    retried, delay = True, 0.0  # once at once: a connection Redis closed
+                else:
+                    delay = backoff.next_delay()
+                    self.problem = f"cannot register in Redis: {type(exc).__name__}: {exc}"[:300]
                 log.warning("registry heartbeat failed (%s); retrying in %.1fs", exc, delay)
-            except Exception:  # never let the heartbeat die
+            except Exception as exc:  # never let the heartbeat die
                 delay = backoff.next_delay()
+                self.problem = f"cannot register in Redis: {type(exc).__name__}"
                 log.exception("registry heartbeat failed; retrying in %.1fs", delay)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)

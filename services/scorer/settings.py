@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from mempo.api.scorer import AliasPolicy
@@ -60,6 +60,10 @@ class ScorerSettings(ServiceSettings):
     """Redis to register with (role scorer) and to read the policy pointer from. Unset: none."""
 
     redis_prefix: str = "mempo:"
+    redis_password: SecretStr | None = None
+    """Redis password, kept out of redis_url (any characters; a password in the URL must be
+    URL-quoted)."""
+
     """Key prefix of the run in Redis."""
 
     engine_id: str | None = None

@@ -63,7 +63,8 @@ PUBLIC = {
     "worker": OPS | {("GET", "/v1/status"), ("POST", "/v1/episodes")},
     "learner": OPS | {("GET", "/v1/status")},
 }  # fmt: skip
-ADMIN = {"engine": set(ENGINE_ADMIN), "scorer": set(SCORER_ADMIN)}
+WORKER_ADMIN = {("POST", "/update_weights_from_disk")}  # forwarded to the replica's engine
+ADMIN = {"engine": set(ENGINE_ADMIN), "scorer": set(SCORER_ADMIN), "worker": WORKER_ADMIN}
 
 
 def refused(token: str) -> list[tuple[dict[str, str], int]]:
@@ -336,8 +337,9 @@ def process_environment(pid: int) -> dict[str, str]:
 def test_no_secret_reaches_a_log_a_file_or_a_status_page(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """``mempo up``'s services (its own random admin token for the engines and the scorer;
-    TOKEN on the other three) on a Redis with a password, logging at DEBUG."""
+    """``mempo up``'s services (its own random secret per service: the scorer's token, the
+    workers' token, each engine's key; TOKEN on retrieval and the learner) on a Redis with
+    a password, logging at DEBUG. The learner updates each engine through its worker."""
     from mempo.launcher import up
     from mempo.launcher.supervisor import Supervisor
     from mempo.procs import RedisServer
@@ -348,25 +350,34 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
         f"MEMPO_{p}_LOG_LEVEL": "DEBUG"
         for p in ("RETRIEVAL", "SCORER", "ENGINE", "ROLLOUT", "LEARNER")
     }
-    tokens = {f"MEMPO_{p}_ADMIN_TOKEN": TOKEN for p in ("RETRIEVAL", "ROLLOUT", "LEARNER")}
+    tokens = {f"MEMPO_{p}_ADMIN_TOKEN": TOKEN for p in ("RETRIEVAL", "LEARNER")}
     opts = up.UpOptions(
         name="secrets", steps=1, runs_root=tmp_path, questions_per_task="1", group_size=2,
         batch_groups=1, max_rounds=2, max_staleness=0, display=False,
         extra_env={**debug, **tokens}, ready_timeout_s=180,
     )  # fmt: skip
-    run = opts.run_dir.resolve()
-    redis = RedisServer(run / "redis", appendonly=True, password=password).start()
+    run_dir = opts.run_dir.resolve()
+    redis = RedisServer(run_dir / "redis", appendonly=True, password=password).start()
     try:
         assert redis.ping(password="").startswith(b"-NOAUTH")  # the password is required
-        with Supervisor(run) as sup:
+        with Supervisor(run_dir) as sup:
             ends = up.start_services(sup, opts, tiny_model_dir, redis.url)
             env = {c.name: process_environment(c.proc.pid) for c in sup.children}
-            run_token = env["engine-0"]["MEMPO_ENGINE_ADMIN_TOKEN"]
-            assert len(run_token) >= 16 and env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"] == run_token
+            run = SimpleNamespace(
+                engine=env["engine-0"]["MEMPO_ENGINE_ADMIN_TOKEN"],
+                worker=env["worker-0"]["MEMPO_ROLLOUT_ADMIN_TOKEN"],
+                scorer=env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"],
+            )
+            owned = {run.engine, run.worker, run.scorer, TOKEN}
+            assert len(owned) == 4 and min(map(len, owned)) >= 16  # one secret per service
+            assert env["worker-0"]["MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN"] == run.engine
+            assert run.engine not in "".join(env["learner"].values())  # the worker's alone
+            assert env["learner"]["MEMPO_LEARNER_WORKER_ADMIN_TOKEN"] == run.worker
+            assert env["learner"]["MEMPO_LEARNER_SCORER_ADMIN_TOKEN"] == run.scorer
             assert all(password in e[f"MEMPO_{p}_REDIS_URL"] for e, p in (
                 (env["scorer"], "SCORER"), (env["worker-0"], "ROLLOUT"), (env["learner"], "LEARNER")
             ))  # fmt: skip
-            pages = exercise(ends, run / "weights", run_token)
+            pages = exercise(ends, run_dir / "weights", run)
             redis.stop()  # an outage: the services log their connection errors
             time.sleep(3.0)
             redis.start()
@@ -375,25 +386,33 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
             sup.check()
     finally:
         redis.stop()
-    secret = {"run token": run_token, "admin token": TOKEN, "redis password": password,
-              "wrong token": WRONG}  # fmt: skip
+    secret = {"engine key": run.engine, "worker token": run.worker, "scorer token": run.scorer,
+              "admin token": TOKEN, "redis password": password, "wrong token": WRONG}  # fmt: skip
     leaks = [f"{name}: {label}" for name, page in pages.items()
              for label, value in secret.items() if value in page]  # fmt: skip
     assert not leaks, f"secrets in status pages: {leaks}"
-    logs = sorted((run / "logs").glob("*.log"))
+    logs = sorted((run_dir / "logs").glob("*.log"))
     assert len(logs) == 5 and all(p.stat().st_size > 0 for p in logs), logs
     assert any(" DEBUG " in p.read_text() for p in logs), "the services did not log at DEBUG"
-    assert (run / "redis" / "redis.log").stat().st_size > 0
-    assert not find_secrets(run, secret), "secrets on disk"
+    assert (run_dir / "redis" / "redis.log").stat().st_size > 0
+    assert not find_secrets(run_dir, secret), "secrets on disk"
 
 
-def exercise(ends: Any, weights_root: Path, token: str) -> dict[str, str]:
-    """Refused admin calls, one training step with its weight push; every status page."""
-    admin_urls = [ends.scorer, *ends.engines]
+def exercise(ends: Any, weights_root: Path, run: SimpleNamespace) -> dict[str, str]:
+    """Refused admin calls, one training step with its weight push; every status page.
+    The learner's admin calls go to the scorer and to the workers (which forward to their
+    engines), each with its own token; no other service's secret opens an engine."""
+    admin = [(ends.scorer, run.scorer), *[(w, run.worker) for w in ends.workers]]
+    admin += [(e, run.engine) for e in ends.engines]
+    admin_urls = [ends.scorer, *ends.engines]  # where the weight version shows
     with httpx.Client(timeout=30) as http:
-        for base in admin_urls:
+        for base, token in admin:
             body = {"model_path": str(weights_root / "v0"), "weight_version": "5"}
-            for headers, status in refused(token):
+            others = refused(token) + [
+                ({"Authorization": f"Bearer {other}"}, 403)
+                for other in (run.engine, run.worker, run.scorer, TOKEN) if other != token
+            ]  # fmt: skip
+            for headers, status in others:
                 if any(v != v.strip() for v in headers.values()):
                     continue  # h11 will not send a header value with trailing whitespace
                 reply = http.post(f"{base}/update_weights_from_disk", json=body, headers=headers)
@@ -411,7 +430,9 @@ def exercise(ends: Any, weights_root: Path, token: str) -> dict[str, str]:
             assert status["state"] != "failed", status
             assert time.monotonic() < deadline, f"no weight push: {status}, {versions}"
             time.sleep(1.0)
-        assert status["version"] >= 1 and status["last_publish"]["updated"], status
+        assert status["version"] >= 1, status
+        # The learner called the scorer and the workers, never an engine.
+        assert status["last_publish"]["updated"] == sorted([ends.scorer, *ends.workers]), status
     return status_pages(ends)
 
 

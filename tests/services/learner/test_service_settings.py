@@ -21,10 +21,12 @@ def test_environment_and_nested_trainer_config(monkeypatch: pytest.MonkeyPatch) 
     assert settings.capacity == 18
     assert settings.questions_per_task == [1, 2, 3]
     assert settings.trainer.lr == 3e-6
-    assert settings.engine_token() == "own"  # no engine token: the service's own
+    # Each service has its own secret: the learner's never stands in for another's.
+    assert settings.role_tokens() == {"rollout": None, "scorer": None}
     assert settings.checkpoints == Path("runs/learner/checkpoints")
-    monkeypatch.setenv("MEMPO_LEARNER_ENGINE_ADMIN_TOKEN", "engines")
-    assert LearnerSettings().engine_token() == "engines"
+    monkeypatch.setenv("MEMPO_LEARNER_WORKER_ADMIN_TOKEN", "workers")
+    monkeypatch.setenv("MEMPO_LEARNER_SCORER_ADMIN_TOKEN", "scorer")
+    assert LearnerSettings().role_tokens() == {"rollout": "workers", "scorer": "scorer"}
 
 
 @pytest.mark.parametrize(

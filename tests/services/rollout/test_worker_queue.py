@@ -237,7 +237,6 @@ async def test_the_worker_registers_with_a_heartbeat_and_leaves_on_stop(
         tokenizer,
         queue=queue,
         worker_id="w",
-        engine_public_url="http://10.0.0.5:30000",
         public_url="http://10.0.0.5:8003",
         registry_ttl_s=1,
     ) as worker:
@@ -247,7 +246,8 @@ async def test_the_worker_registers_with_a_heartbeat_and_leaves_on_stop(
             if worker.consuming and await queue.list_engines():
                 break
         (entry,) = await queue.list_engines()
-        assert entry.id == "w" and entry.role == "rollout" and entry.url == "http://10.0.0.5:30000"
+        # The learner updates the engine through the worker: the entry names the worker.
+        assert entry.id == "w" and entry.role == "rollout" and entry.url == "http://10.0.0.5:8003"
         assert entry.worker_url == "http://10.0.0.5:8003"
         assert 0 < await redis_client.ttl(keys.engine("w")) <= 1
         await asyncio.sleep(1.2)  # the heartbeat keeps it alive past its TTL
