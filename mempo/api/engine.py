@@ -6,25 +6,29 @@ are ignored, as SGLang does. See ../shared/reference/sglang-api.md.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
+from mempo.api.text import ALL_TEXT
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
     max_new_tokens: int = Field(default=128, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, description="-1: no top-k")
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, ALL_TEXT] = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=1024)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
     @field_validator("top_k")
     @classmethod
@@ -44,12 +48,12 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    text: str | list[str] | None = None
+    text: Annotated[str | list[str] | None, ALL_TEXT] = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
-    rid: str | list[str] | None = None
+    rid: Annotated[str | list[str] | None, ALL_TEXT] = None
     stream: bool = False
 
 

@@ -8,6 +8,9 @@
   ``sampling_seed + j`` (SGLang would repeat one sample n times).
 - A prompt that does not fit (prompt + max_new_tokens > context length) is refused with
   400 ``{"error": {"message": ...}}`` and SGLang's wording; other bad input is 422.
+- Work is bounded before it is done: more samples (prompts x n) than ``max_samples``, or
+  a text prompt (or all of them) over its byte limit, is 413 before anything is
+  tokenised; a token covers at least one byte, so bytes bound the tokenizer's work.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from mempo.api.engine import (
     MetaInfo,
     SamplingParams,
 )
-from mempo.service import BadInput, ServiceError
+from mempo.service import BadInput, ServiceError, TooLarge
 from services.rollout.engine.sequence import Sequence, SequenceSpec
 
 
@@ -43,8 +46,32 @@ class Limits:
     vocab_size: int
     eos_token_ids: frozenset[int]
 
+    max_samples: int = 1024  # prompts x n of one request
+    max_prompt_bytes: int | None = None  # UTF-8 bytes of one text prompt
+    max_request_text_bytes: int | None = None  # of all text prompts of one request
 
-def _prompts(req: GenerateRequest, tokenizer: Tokenizer) -> tuple[list[list[int]], bool]:
+
+def _check_text_bytes(texts: list[str], limits: Limits) -> None:
+    """413 for a text prompt, or all of them, over the byte limits (before tokenising)."""
+    total = 0
+    for i, text in enumerate(texts):
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
+        total += size
+        if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
+            where = f"text[{i}]" if len(texts) > 1 else "text"
+            raise TooLarge(
+                f"{where}: {size} bytes exceed the limit of {limits.max_prompt_bytes} bytes "
+                f"per prompt (context_length x max_text_bytes_per_token); it was not tokenised"
+            )
+    if limits.max_request_text_bytes is not None and total > limits.max_request_text_bytes:
+        raise TooLarge(
+            f"text: {total} bytes exceed the limit of {limits.max_request_text_bytes} bytes "
+            "per request (max_request_text_bytes); it was not tokenised"
+        )
+
+def _prompts(
+    req: GenerateRequest, tokenizer: Tokenizer, limits: Limits
+) -> tuple[list[list[int]], bool]:
     """The prompts as ids, and whether the request was a batch."""
     if req.stream:
         raise BadInput("stream: the CPU engine answers whole responses only (stream: false)")
@@ -55,16 +82,34 @@ def _prompts(req: GenerateRequest, tokenizer: Tokenizer) -> tuple[list[list[int]
         if not texts:
             raise BadInput("text: must not be an empty list")
         prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        _check_samples(req, len(texts), limits)
+        _check_text_bytes(texts, limits)
         return prompts, isinstance(req.text, list)
     ids: Any = req.input_ids
     if not ids:
         raise BadInput("input_ids: must not be empty")
-    if isinstance(ids[0], list):
+    batch = isinstance(ids[0], list)
+    _check_samples(req, len(ids) if batch else 1, limits)
+    if batch:
         return [list(p) for p in ids], True
     return [list(ids)], False
 
 
 def _per_prompt(value: Any, count: int, field: str) -> list[Any]:
+def _check_samples(req: GenerateRequest, prompts: int, limits: Limits) -> None:
+    """413 when the request asks for more samples (prompts x n) than one may."""
+    params = req.sampling_params
+    if isinstance(params, list):
+        samples = sum(p.n for p in params[:prompts]) + max(0, prompts - len(params))
+    else:
+        samples = prompts * (params.n if params is not None else 1)
+    if samples > limits.max_samples:
+        raise TooLarge(
+            f"sampling_params.n: {prompts} prompts x n ask for {samples} samples, over the "
+            f"limit of {limits.max_samples} per request (max_samples_per_request)"
+        )
+
+
     if not isinstance(value, list):
         return [value] * count
     if len(value) != count:
@@ -137,7 +182,7 @@ def expand(
     req: GenerateRequest, tokenizer: Tokenizer, limits: Limits
 ) -> tuple[list[SequenceSpec], bool]:
     """The samples a /generate request asks for, prompt-major; True if it answers a list."""
-    prompts, batch = _prompts(req, tokenizer)
+    prompts, batch = _prompts(req, tokenizer, limits)
     params_list = _per_prompt(
         req.sampling_params or SamplingParams(), len(prompts), "sampling_params"
     )
