@@ -1,8 +1,8 @@
 """The CPU engine as the routes see it: the model, its tokenizer and the scheduler thread.
 
 Async methods only await: generation runs on the scheduler thread (runtime.py) and each
-request's asyncio futures are resolved with ``loop.call_soon_threadsafe``; reading a
-weights folder runs in a worker thread.
+request's asyncio futures are resolved with ``loop.call_soon_threadsafe``; tokenising
+prompts and reading a weights folder run in worker threads.
 """
 
 from __future__ import annotations
@@ -112,7 +112,14 @@ class Engine:
         runner = ModelRunner.load(model_path, settings.dtype)
         tokenizer: Any = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_path)
         context = settings.context_length or runner.max_positions or 4096
-        limits = Limits(context, runner.vocab_size, frozenset(runner.eos_token_ids()))
+        limits = Limits(
+            context,
+            runner.vocab_size,
+            frozenset(runner.eos_token_ids()),
+            max_samples=settings.max_samples_per_request,
+            max_prompt_bytes=int(context * settings.max_text_bytes_per_token),
+            max_request_text_bytes=settings.max_request_text_bytes,
+        )
         observer = EngineMetrics(metrics)
         runtime = EngineRuntime(
             runner,
@@ -166,7 +173,8 @@ class Engine:
     async def generate(
         self, req: GenerateRequest, gone: Callable[[], Awaitable[bool]] | None = None
     ) -> GenerateResponse | list[GenerateResponse]:
-        specs, as_list = expand(req, self.tokenizer, self.limits)
+        # tokenising is CPU work: a thread, never the event loop (/health stays live)
+        specs, as_list = await asyncio.to_thread(expand, req, self.tokenizer, self.limits)
         done = await self.run(specs, gone)
         responses = [response(seq) for seq in done]
         return responses if as_list else responses[0]

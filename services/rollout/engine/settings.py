@@ -53,6 +53,17 @@ class EngineSettings(ServiceSettings):
     health_timeout_s: float = Field(default=20.0, gt=0.0)
     """/health_generate fails (503) when a 1-token generation takes longer than this."""
 
+    max_samples_per_request: int = Field(default=1024, ge=1)
+    """Samples one /generate may ask for (prompts x n); more: 413."""
+
+    max_text_bytes_per_token: float = Field(default=16.0, ge=1.0)
+    """A text prompt over context_length x this many UTF-8 bytes is refused (413) before it
+    is tokenised: it could not fit (real text has a few bytes per token)."""
+
+    max_request_text_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """UTF-8 bytes of all text prompts of one /generate together; more: 413 before any is
+    tokenised."""
+
     def resolved_model_path(self) -> Path:
         if self.model_path:
             return Path(self.model_path).expanduser().resolve()
