@@ -64,6 +64,11 @@ class Forbidden(ServiceError):
     status_code = 403
 
 
+class WrongToken(Forbidden):
+    """A bearer token that is not the admin token (403; the CPU engine answers 401, as
+    SGLang does)."""
+
+
 class TooLarge(ServiceError):
     status_code = 413
 
@@ -232,7 +237,7 @@ def check_admin(request: Request, admin_token: str | None) -> None:
     if token is None:
         raise Unauthorized("this route needs Authorization: Bearer <admin token>")
     if not hmac.compare_digest(token.encode(), admin_token.encode()):
-        raise Forbidden("the admin token is wrong")
+        raise WrongToken("the admin token is wrong")
 
 
 def require_admin(request: Request) -> None:

@@ -103,10 +103,10 @@ def _lifespan(
         app.state.scorer = scorer
         stop = asyncio.Event()
         registration = Registration(scorer, settings) if settings.redis_url else None
+        app.state.registration = registration
         task = asyncio.create_task(registration.run(stop)) if registration else None
         try:
             yield
-        app.state.registration = registration
         finally:
             stop.set()
             if task is not None and registration is not None:
@@ -131,12 +131,12 @@ def create_app(
         scorer = getattr(app.state, "scorer", None)
         if scorer is None or not scorer.batcher.running:
             return False, "the model is not loaded"
-        return True, None
-
-    install_common(
         registration = getattr(app.state, "registration", None)
         if registration is not None and registration.problem:
             return False, registration.problem  # it would never receive weight updates
+        return True, None
+
+    install_common(
         app, "scorer", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
     )
     app.include_router(router)

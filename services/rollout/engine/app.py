@@ -30,8 +30,9 @@ from mempo.api.engine import (
 )
 from mempo.disconnects import client_gone
 from mempo.service import AdminDep, Health, Metrics, install_common
+from services.rollout.engine.contract import check_sampling_keys
 from services.rollout.engine.engine import Engine
-from services.rollout.engine.protocol import ContextExceeded
+from services.rollout.engine.errors import install_sglang_errors
 from services.rollout.engine.settings import EngineSettings
 
 FLUSHED = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
@@ -55,13 +56,6 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         await asyncio.to_thread(app.state.engine.close)
 
     app = FastAPI(title="mempo CPU engine (SGLang API)", version="0.1.0", lifespan=lifespan)
-
-    async def context_exceeded(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ContextExceeded)
-        return JSONResponse({"error": {"message": exc.message}}, 400)
-
-    app.add_exception_handler(ContextExceeded, context_exceeded)
-
     answer = GenerateResponse | list[GenerateResponse]
 
     @app.post(
@@ -77,7 +71,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         req: GenerateRequest, engine: EngineDep, request: Request
     ) -> GenerateResponse | list[GenerateResponse]:
         """Generate from token ids or text; a batch or n > 1 answers a list. A client that
-        disconnects aborts its samples."""
+        disconnects aborts its samples. Unknown sampling_params keys are 400, as SGLang."""
+        check_sampling_keys(await request.json())  # the body FastAPI read, cached
         return await engine.generate(req, lambda: client_gone(request))
 
     @app.get("/health", response_model=Health, tags=["ops"], responses={503: {}})
@@ -154,4 +149,5 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     install_common(
         app, "engine", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
     )
+    install_sglang_errors(app)  # SGLang's 400 / 401 answers instead of 422 / 403
     return app
