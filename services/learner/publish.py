@@ -22,9 +22,9 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Protocol
 
 import httpx
@@ -76,19 +76,19 @@ class WeightPublisher:
         timeout_s: float = 300.0,
         keep_versions: int = 2,
         max_parallel: int = 64,
-    ) -> None:
-        if keep_versions < 1:
-            raise ValueError("keep_versions must be at least 1 (the current version)")
         role_tokens: Mapping[str, str | None] | None = None,
-        self.queue = queue
+    ) -> None:
         """``role_tokens``: the admin token per registry role ("rollout": the workers',
         "scorer": the scorer's); a role not in it gets ``admin_token``."""
+        if keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1 (the current version)")
+        self.queue = queue
         self.root = Path(weights_root)
         self.admin_token = admin_token
+        self.role_tokens = dict(role_tokens or {})
         self.timeout_s = timeout_s
         self.keep_versions = keep_versions
         self._parallel = asyncio.Semaphore(max_parallel)
-        self.role_tokens = dict(role_tokens or {})
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
     async def aclose(self) -> None:

@@ -59,11 +59,11 @@ class ScorerSettings(ServiceSettings):
     redis_url: str | None = None
     """Redis to register with (role scorer) and to read the policy pointer from. Unset: none."""
 
-    redis_prefix: str = "mempo:"
     redis_password: SecretStr | None = None
     """Redis password, kept out of redis_url (any characters; a password in the URL must be
     URL-quoted)."""
 
+    redis_prefix: str = "mempo:"
     """Key prefix of the run in Redis."""
 
     engine_id: str | None = None
