@@ -1,7 +1,10 @@
 """The engine API: the subset of SGLang's native HTTP API an RL system uses.
 
 Real SGLang servers and the CPU engine (services/rollout) speak it alike. Unknown keys
-are ignored, as SGLang does. See ../shared/reference/sglang-api.md.
+are ignored, as SGLang does, except inside ``sampling_params``: SGLang answers 400
+``unknown field `seed`, expected one of ...`` for a key outside SGLANG_SAMPLING_FIELDS,
+and so does the CPU engine. See ../shared/reference/sglang-api.md; tests/contract checks
+these names and every body the client builds against the sglang wheel itself.
 """
 
 from __future__ import annotations
@@ -156,3 +159,36 @@ class AbortRequest(BaseModel):
 
     rid: str = ""
     abort_all: bool = False
+
+
+SGLANG_VERSION = "0.5.23"  # the audited release: the GPU image's tag and the contract test's
+# sglang.api.v1.api_types.SamplingParams's keys at SGLANG_VERSION, in its order: any other
+# key in sampling_params is a 400 (``unknown field``) on SGLang and on the CPU engine.
+SGLANG_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+)  # fmt: skip
+# Keys SGLang has and the CPU engine does not implement, with the values that leave the
+# samples unchanged (null always does): the CPU engine refuses any other value (400)
+# instead of sampling something SGLang would not. The keys not listed here and not in
+# SamplingParams change nothing the CPU engine returns (stream_interval, ...).
+CPU_ENGINE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "stop_regex": ([], ""),
+    "min_p": (0,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_new_tokens": (0,),
+    "json_schema": (),
+    "regex": (),
+    "ebnf": (),
+    "structural_tag": (),
+    "logit_bias": ({},),
+    "beam_width": (0, 1),
+    "watermark": (),
+    "choice": ([],),
+}

@@ -7,7 +7,8 @@
   /abort_request with the request's rid (a prefix) reaches them all, and
   ``sampling_seed + j`` (SGLang would repeat one sample n times).
 - A prompt that does not fit (prompt + max_new_tokens > context length) is refused with
-  400 ``{"error": {"message": ...}}`` and SGLang's wording; other bad input is 422.
+  400 ``{"error": {"message": ...}}`` and SGLang's wording; other bad input is 400 too
+  (errors.py); sampling_params keys are checked as SGLang checks them (contract.py).
 - Work is bounded before it is done: more samples (prompts x n) than ``max_samples``, or
   a text prompt (or all of them) over its byte limit, is 413 before anything is
   tokenised; a token covers at least one byte, so bytes bound the tokenizer's work.
