@@ -13,13 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
-class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 from mempo.api.text import ALL_TEXT
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
     max_new_tokens: int = Field(default=128, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
