@@ -46,7 +46,6 @@ class Limits:
     context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-
     max_samples: int = 1024  # prompts x n of one request
     max_prompt_bytes: int | None = None  # UTF-8 bytes of one text prompt
     max_request_text_bytes: int | None = None  # of all text prompts of one request
@@ -70,6 +69,7 @@ def _check_text_bytes(texts: list[str], limits: Limits) -> None:
             "per request (max_request_text_bytes); it was not tokenised"
         )
 
+
 def _prompts(
     req: GenerateRequest, tokenizer: Tokenizer, limits: Limits
 ) -> tuple[list[list[int]], bool]:
@@ -82,9 +82,9 @@ def _prompts(
         texts = req.text if isinstance(req.text, list) else [req.text]
         if not texts:
             raise BadInput("text: must not be an empty list")
-        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         _check_samples(req, len(texts), limits)
         _check_text_bytes(texts, limits)
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return prompts, isinstance(req.text, list)
     ids: Any = req.input_ids
     if not ids:
@@ -96,7 +96,6 @@ def _prompts(
     return [list(ids)], False
 
 
-def _per_prompt(value: Any, count: int, field: str) -> list[Any]:
 def _check_samples(req: GenerateRequest, prompts: int, limits: Limits) -> None:
     """413 when the request asks for more samples (prompts x n) than one may."""
     params = req.sampling_params
@@ -111,6 +110,7 @@ def _check_samples(req: GenerateRequest, prompts: int, limits: Limits) -> None:
         )
 
 
+def _per_prompt(value: Any, count: int, field: str) -> list[Any]:
     if not isinstance(value, list):
         return [value] * count
     if len(value) != count:
