@@ -8,6 +8,12 @@
 - Admin calls (weight updates, flush, pause) carry the admin bearer token.
 - Retries (STYLE.md rule 7): connection errors, 5xx and 429, with capped backoff; a 4xx is
   raised at once as ``EngineError`` (``ContextExceeded`` when the prompt does not fit).
+  A retried /generate carries a fresh ``rid`` (``<rid>-r<attempt>``): SGLang keeps a
+  request id taken until it notices the first attempt's disconnect (a 4 s poll) and
+  answers 400 "Duplicate request ID detected" meanwhile. The ids keep the base rid as
+  their prefix, so /abort_request with it still reaches every attempt.
+- ``finish_reason = {type: stop, matched: "NaN happened"}`` is SGLang replacing a sampled
+  token that was out of range (NaN / inf logits): ``EngineError``, never a sample.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import httpx
 
 from mempo.api.engine import GenerateResponse, ModelInfo, UpdateWeightsResponse
-from mempo.retry import Backoff, RetryableStatus, request
+from mempo.retry import Backoff, RetryableStatus, is_retryable_status, request, retry_async
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,12 @@ class ContextExceeded(EngineError):
     """400: prompt (+ max_new_tokens) longer than the engine's context (SGLang's wording)."""
 
 
+class EngineNaN(EngineError):
+    """SGLang sampled from NaN / inf logits: it replaced the token by a stop id and
+    reported ``{type: stop, matched: "NaN happened"}`` (``FINISH_MATCHED_STR``)."""
+
+
+NAN_MATCHED = "NaN happened"  # SGLang schedule_batch.py's marker of such a finish
 _CONTEXT_PHRASES = ("context length", "longer than the model")
 
 
@@ -89,6 +101,11 @@ def parse_generation(raw: dict[str, Any]) -> Generation:
     finish = meta.finish_reason
     text = resp.text
     matched = finish.matched if finish else None
+    if finish is not None and finish.type == "stop" and matched == NAN_MATCHED:
+        raise EngineNaN(
+            f"generation {meta.id or '?'}: the engine sampled from NaN / inf logits "
+            f"(finish_reason stop, matched {NAN_MATCHED!r}); the sample is discarded"
+        )
     if (
         finish is not None
         and finish.type == "stop"
@@ -205,15 +222,42 @@ class EngineClient:
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,
         }
-        if rid:
-            body["rid"] = rid
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len
-        raw = await self._post("/generate", body)
+        raw = await self._post_generate(body, rid)
         items = raw if isinstance(raw, list) else [raw]
         try:
             return [parse_generation(item) for item in items]
         except (ValueError, TypeError) as exc:
+            raise EngineError(f"unreadable /generate response: {exc}") from exc
+
+    async def _post_generate(self, body: dict[str, Any], rid: str | None) -> Any:
+        """POST /generate with retries; attempt k > 0 sends ``rid`` as ``f"{rid}-r{k}"``."""
+        attempt = 0
+
+        async def once() -> httpx.Response:
+            nonlocal attempt
+            sent = {**body, "rid": f"{rid}-r{attempt}" if attempt else rid} if rid else body
+            attempt += 1
+            response = await self.http.post(f"{self.base_url}/generate", json=sent)
+            if is_retryable_status(response.status_code):
+                await response.aread()
+                raise RetryableStatus(response)
+            return response
+
+        try:
+            response = await retry_async(
+                once, self.attempts, self._backoff(), what=f"POST {self.base_url}/generate"
+            )
+        except RetryableStatus as exc:
+            raise EngineError(
+                f"/generate: HTTP {exc.response.status_code}: {_error_message(exc.response)}",
+                exc.response.status_code,
+            ) from exc
+        raise_for_engine("/generate", response)
+        try:
+            return response.json()
+        except ValueError as exc:
             raise EngineError(f"unreadable /generate response: {exc}") from exc
 
     async def model_info(self) -> ModelInfo:

@@ -3,8 +3,9 @@
 - Bad input (a malformed body, a wrong field, an unusable request) is 400, not 422:
   ``{"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}``
   as SGLang's RequestValidationError handler (``message`` names the field, as elsewhere).
-- An unknown ``sampling_params`` key is 400 ``{"error": "unknown field ..."}`` and a prompt
-  over the context 400 ``{"error": {"message": ...}}``: SGLang's two other 400 shapes.
+- An unknown ``sampling_params`` key is 400 ``{"error": "unknown field ..."}``; a prompt
+  over the context and a request id already in flight are 400 ``{"error": {"message":
+  ...}}``: SGLang's two other 400 shapes.
 - A missing or wrong admin token is 401 ``{"error": "Unauthorized"}`` (SGLang's
   ``utils/auth.py``; the other services answer 403 for a wrong one), with a ``message``.
 """
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from mempo.service import BadInput, Unauthorized, WrongToken, _validation_message
 from services.rollout.engine.contract import UnknownField
 from services.rollout.engine.protocol import ContextExceeded
+from services.rollout.engine.runtime import DuplicateRequestId
 
 
 def bad_request(message: str, detail: object = None) -> JSONResponse:
@@ -43,8 +45,8 @@ def install_sglang_errors(app: FastAPI) -> None:
         assert isinstance(exc, UnknownField)
         return JSONResponse({"error": exc.message}, 400)
 
-    async def on_context(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ContextExceeded)
+    async def on_value_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ContextExceeded | DuplicateRequestId)
         return JSONResponse({"error": {"message": exc.message}}, 400)
 
     async def on_auth(request: Request, exc: Exception) -> Response:
@@ -55,6 +57,7 @@ def install_sglang_errors(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(BadInput, on_bad_input)
     app.add_exception_handler(UnknownField, on_unknown_field)
-    app.add_exception_handler(ContextExceeded, on_context)
+    app.add_exception_handler(ContextExceeded, on_value_error)
+    app.add_exception_handler(DuplicateRequestId, on_value_error)
     app.add_exception_handler(Unauthorized, on_auth)
     app.add_exception_handler(WrongToken, on_auth)

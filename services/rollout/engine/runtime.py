@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mempo.service import ServiceError
 from services.rollout.engine.decoding import Decoder, Observer, RuntimeStats
 from services.rollout.engine.model import ModelRunner
 from services.rollout.engine.sequence import Detokenizer, Sequence
@@ -42,6 +43,13 @@ def every(rid: str) -> bool:
 
 class EngineStopped(Exception):
     """The engine is shutting down and takes no more requests."""
+
+
+class DuplicateRequestId(ServiceError):
+    """A request id already waiting or running (SGLang's 400 "Duplicate request ID
+    detected"): an id stays taken until its request finishes or is aborted."""
+
+    status_code = 400
 
 
 @dataclass
@@ -105,9 +113,16 @@ class EngineRuntime:
             return len(self.decoder.seqs), len(self._waiting) + len(self._admitting)
 
     def submit(self, seqs: Iterable[Sequence]) -> None:
+        """Queue the sequences; DuplicateRequestId if a rid is taken (all or none queued)."""
+        seqs = list(seqs)
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
+            taken = {s.spec.rid for s in (*self._waiting, *self._admitting, *self.decoder.seqs)}
+            for seq in seqs:
+                if seq.spec.rid in taken:
+                    raise DuplicateRequestId(f"Duplicate request ID detected: {seq.spec.rid}")
+                taken.add(seq.spec.rid)
             self._waiting.extend(seqs)
             self._cv.notify()
 
