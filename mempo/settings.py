@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,10 +60,70 @@ def quiet_hub() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+MIN_SECRET_CHARS = 16
+PLACEHOLDER_MARK = "change-me"  # the .env.example values
+
+
+def weak_secret(settings: BaseSettings) -> str | None:
+    """Why a configured secret must not be used (a placeholder, or too short), naming the
+    setting and never any part of the value; None when every configured secret is fine.
+
+    Secrets are the SecretStr fields and the password inside a ``*redis_url``."""
+    prefix = str(settings.model_config.get("env_prefix", ""))
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        where = f"{prefix}{name}".upper()
+        if isinstance(value, SecretStr):
+            secret: str | None = value.get_secret_value()
+        elif isinstance(value, str) and name.endswith("redis_url") and value:
+            if _misquoted(value):
+                return (
+                    f"{where}: the password in it is not URL-quoted (/ # ? @ : must be %2F %23 "
+                    f"%3F %40 %3A), or set it apart in {where.removesuffix('URL')}PASSWORD"
+                )
+            secret = _url_password(value)
+        else:
+            continue
+        if not secret:
+            continue
+        if PLACEHOLDER_MARK in secret.lower():
+            return f"{where} holds a placeholder ({PLACEHOLDER_MARK}-...): set a long random value"
+        if len(secret) < MIN_SECRET_CHARS:
+            return f"{where}: a secret needs at least {MIN_SECRET_CHARS} characters"
+    return None
+
+
+def _misquoted(url: str) -> bool:
+    """An ``@`` after the host part: a password with / # ? cut the URL short."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return True
+    return "@" in parts.path + parts.query + parts.fragment
+
+
+def _url_password(url: str) -> str | None:
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return None  # the Redis client refuses it, with a message that shows no part of it
+    return unquote(password) if password is not None else None
+
+
+def refuse_weak_secrets(settings: BaseSettings) -> None:
+    """Exit 2 with one line on stderr when ``weak_secret`` finds a problem."""
+    problem = weak_secret(settings)
+    if problem:
+        sys.stderr.write(f"error: {problem}\n")
+        raise SystemExit(2)
+
+
 def serve(app: Any, settings: ServiceSettings) -> None:
-    """Run an ASGI app with uvicorn; SIGTERM/SIGINT shut it down gracefully (lifespan exit)."""
+    """Run an ASGI app with uvicorn; SIGTERM/SIGINT shut it down gracefully (lifespan exit).
+    A placeholder or short secret ends the process first (exit 2)."""
     import uvicorn
 
+    refuse_weak_secrets(settings)
     configure_logging(settings.log_level)
     uvicorn.run(
         app,

@@ -6,10 +6,18 @@
 #   ENGINE=cpu       mempo rollout engine (transformers on CPU; $MODEL or the tiny model)
 #   ENGINE=external  no engine here: the worker uses MEMPO_ROLLOUT_ENGINE_URL (the CPU image's default)
 #
+# The engine listens on 127.0.0.1 inside the container only (SGLang's /server_info shows
+# its admin key to anyone who reaches it): nothing outside the replica reaches it. Its key
+# (MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN; random per start when unset) stays in the container.
+# The learner updates the engine through the worker: POST /update_weights_from_disk on
+# the worker's port, with the worker's own token (MEMPO_ROLLOUT_ADMIN_TOKEN); the worker
+# registers that URL (MEMPO_ROLLOUT_PUBLIC_URL, this container's IP) in Redis.
+#
 # The worker waits for the engine's /health, then serves; if either process exits, the
 # other is stopped and the container exits with its code (the orchestrator restarts the
 # pair). SIGTERM is passed on to both (the worker drains its in-flight tasks).
 # Environment: MODEL, ENGINE_PORT (30000), SGLANG_ARGS (extra launch_server flags),
+# WEIGHTS_ROOT (/weights: the CPU engine loads weight updates only from inside it),
 # MEMPO_ROLLOUT_* (the worker's settings; docs/rollout.md).
 set -euo pipefail
 
@@ -20,8 +28,10 @@ SELF_IP=${SELF_IP:-$(hostname)}
 
 if [ "$ENGINE" != "external" ]; then
   export MEMPO_ROLLOUT_ENGINE_URL=${MEMPO_ROLLOUT_ENGINE_URL:-http://127.0.0.1:${ENGINE_PORT}}
-  # What the learner calls for weight updates: this container's engine, by IP.
-  export MEMPO_ROLLOUT_ENGINE_PUBLIC_URL=${MEMPO_ROLLOUT_ENGINE_PUBLIC_URL:-http://${SELF_IP}:${ENGINE_PORT}}
+  if [ -z "${MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN:-}" ]; then
+    MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+    export MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN
+  fi
 fi
 export MEMPO_ROLLOUT_HOST=${MEMPO_ROLLOUT_HOST:-0.0.0.0}
 export MEMPO_ROLLOUT_PUBLIC_URL=${MEMPO_ROLLOUT_PUBLIC_URL:-http://${SELF_IP}:${MEMPO_ROLLOUT_PORT:-8003}}
@@ -36,20 +46,18 @@ trap 'stop_all' TERM INT
 case "$ENGINE" in
   sglang)
     : "${MODEL:?set MODEL to the HF model folder (for example /weights/v0) or hub id}"
-    admin=()
-    if [ -n "${MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN:-}" ]; then
-      admin=(--admin-api-key "$MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN")
-    fi
     # shellcheck disable=SC2086  # SGLANG_ARGS is a list of flags
-    python3 -m sglang.launch_server --model-path "$MODEL" --host 0.0.0.0 --port "$ENGINE_PORT" \
-      --weight-version 0 "${admin[@]}" ${SGLANG_ARGS:-} &
+    python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$ENGINE_PORT" \
+      --weight-version 0 --admin-api-key "$MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN" ${SGLANG_ARGS:-} &
     pids+=($!)
     ;;
   cpu)
-    export MEMPO_ENGINE_HOST=0.0.0.0 MEMPO_ENGINE_PORT="$ENGINE_PORT"
+    export MEMPO_ENGINE_HOST=127.0.0.1 MEMPO_ENGINE_PORT="$ENGINE_PORT"
+    # Weight updates only from the shared weights volume (an engine without a root
+    # refuses every update): WEIGHTS_ROOT, default /weights as the compose file mounts it.
+    export MEMPO_ENGINE_WEIGHTS_ROOT="${MEMPO_ENGINE_WEIGHTS_ROOT:-${WEIGHTS_ROOT:-/weights}}"
     [ -n "${MODEL:-}" ] && export MEMPO_ENGINE_MODEL_PATH="$MODEL"
-    [ -n "${MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN:-}" ] \
-      && export MEMPO_ENGINE_ADMIN_TOKEN="${MEMPO_ENGINE_ADMIN_TOKEN:-$MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN}"
+    export MEMPO_ENGINE_ADMIN_TOKEN="$MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN"
     mempo rollout engine &
     pids+=($!)
     ;;

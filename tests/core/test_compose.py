@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -58,4 +62,113 @@ def test_compose_services_and_build_files() -> None:
         if name != "volumes-init":
             assert "healthcheck" in service, name
             assert service.get("restart") == "unless-stopped", name
-    assert services["scorer"]["environment"]["MEMPO_SCORER_ADMIN_TOKEN"] == "change-me-admin-token"
+    assert services["scorer"]["environment"]["MEMPO_SCORER_ADMIN_TOKEN"] == "change-me-scorer-token"
+
+
+# --------------------------------------------------------------------------- issue 13, item 8
+
+PASSWORD = "p/w#x?\"q\\ " + secrets.token_hex(8)  # / # ? a quote, a backslash, a space
+
+
+def strong_env(tmp_path: Path) -> Path:
+    """.env.example with real secrets (the Redis one full of URL and shell specials)."""
+    values = {
+        "MEMPO_REDIS_PASSWORD": f"'{PASSWORD}'",
+        "MEMPO_SCORER_ADMIN_TOKEN": secrets.token_hex(16),
+        "MEMPO_WORKER_ADMIN_TOKEN": secrets.token_hex(16),
+    }
+    lines = []
+    for line in (REPO / ".env.example").read_text().splitlines():
+        name = line.partition("=")[0]
+        lines.append(f"{name}={values[name]}" if name in values else line)
+    env = tmp_path / "strong.env"
+    env.write_text("\n".join(lines) + "\n")
+    return env
+
+
+def rendered(env_file: Path) -> dict[str, Any]:
+    result = run_config(env_file)
+    assert result.returncode == 0, result.stderr
+    return dict(yaml.safe_load(result.stdout)["services"])
+
+
+def test_published_ports_are_on_localhost_and_engines_are_not_published() -> None:
+    services = rendered(REPO / ".env.example")
+    published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
+    assert set(published) == {"retrieval", "learner"}, published  # no engine, worker, scorer, redis
+    for name, ports in published.items():
+        assert all(p["host_ip"] == "127.0.0.1" for p in ports), (name, ports)
+    rollout = services["rollout"]["environment"]
+    assert "MEMPO_ROLLOUT_ENGINE_PUBLIC_URL" not in rollout  # the learner calls the worker
+    entrypoint = (REPO / "services/rollout/entrypoint.sh").read_text()
+    assert "--host 127.0.0.1" in entrypoint and "MEMPO_ENGINE_HOST=127.0.0.1" in entrypoint
+    assert "0.0.0.0" not in entrypoint.replace("MEMPO_ROLLOUT_HOST:-0.0.0.0", "")
+
+
+def test_every_service_has_its_own_secret_and_refuses_the_placeholders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mempo.settings import weak_secret
+    from services.learner.settings import LearnerSettings
+    from services.rollout.settings import WorkerSettings
+    from services.scorer.settings import ScorerSettings
+
+    classes = {"scorer": ScorerSettings, "rollout": WorkerSettings, "learner": LearnerSettings}
+    for env_file, weak in ((REPO / ".env.example", True), (strong_env(tmp_path), False)):
+        services = rendered(env_file)
+        for name, settings_class in classes.items():
+            with monkeypatch.context() as m:
+                for key in [k for k in os.environ if k.startswith("MEMPO_")]:
+                    m.delenv(key)
+                for key, value in services[name]["environment"].items():
+                    m.setenv(key, str(value))
+                problem = weak_secret(settings_class())
+            assert (problem is not None) == weak, (name, problem)
+    env = {n: s.get("environment", {}) for n, s in rendered(strong_env(tmp_path)).items()}
+    assert env["learner"]["MEMPO_LEARNER_SCORER_ADMIN_TOKEN"] == env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"]
+    assert env["learner"]["MEMPO_LEARNER_WORKER_ADMIN_TOKEN"] == env["rollout"]["MEMPO_ROLLOUT_ADMIN_TOKEN"]
+    assert env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"] != env["rollout"]["MEMPO_ROLLOUT_ADMIN_TOKEN"]
+    assert "MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN" not in env["rollout"]  # made in the replica
+
+
+def test_the_redis_password_is_on_no_command_line(tmp_path: Path) -> None:
+    services = rendered(strong_env(tmp_path))
+    assert services["redis"]["environment"]["REDIS_PASSWORD"] == PASSWORD
+    for name, service in services.items():
+        argv = json.dumps([service.get("command"), service.get("entrypoint"),
+                           service.get("healthcheck", {}).get("test")])  # fmt: skip
+        assert PASSWORD not in argv and json.dumps(PASSWORD)[1:-1] not in argv, name
+        for key, value in service.get("environment", {}).items():
+            if PASSWORD in str(value):  # only as a password setting, never inside a URL
+                assert key.endswith(("REDIS_PASSWORD", "REDISCLI_AUTH")), (name, key)
+
+
+def test_the_redis_start_script_serves_the_password_from_a_file(tmp_path: Path) -> None:
+    """The compose file's redis start script, run here: a shim stands in for the image's
+    docker-entrypoint.sh and pins a free loopback port."""
+    from mempo.procs import RedisServer, free_port
+
+    script = rendered(strong_env(tmp_path))["redis"]["command"][0].replace("$$", "$")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "docker-entrypoint.sh").write_text(
+        '#!/bin/sh\nexec "$@" --port "$TEST_PORT" --bind 127.0.0.1 --dir "$TEST_DIR" --appendonly no\n'
+    )
+    (shim / "docker-entrypoint.sh").chmod(0o755)
+    port, conf = free_port(), tmp_path / "redis.conf"
+    env = {"PATH": f"{shim}:{os.environ['PATH']}", "REDIS_PASSWORD": PASSWORD,
+           "MEMPO_REDIS_CONF": str(conf), "TEST_PORT": str(port), "TEST_DIR": str(tmp_path)}  # fmt: skip
+    proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    probe = RedisServer(tmp_path, port=port, password=PASSWORD)
+    try:
+        deadline = time.monotonic() + 10
+        while probe.ping() != b"+PONG":
+            assert proc.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.05)
+        assert probe.ping(password="").startswith(b"-NOAUTH")
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert PASSWORD.encode() not in argv and b"requirepass" not in argv
+        assert conf.stat().st_mode & 0o077 == 0  # only its owner reads it
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

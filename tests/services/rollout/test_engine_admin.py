@@ -259,7 +259,7 @@ def test_a_client_that_disconnects_aborts_its_generation(url: str) -> None:
 
 def test_the_cli_serves_an_engine_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "MEMPO_ENGINE_ADMIN_TOKEN": "cli-token", "MEMPO_ENGINE_THREADS": "1"}
+    env = {**os.environ, "MEMPO_ENGINE_ADMIN_TOKEN": "cli-token-0123456789abcdef", "MEMPO_ENGINE_THREADS": "1"}
     args = ["rollout", "engine", "--port", str(port), "--model-path", str(tiny_model_dir)]
     log = (tmp_path / "engine.log").open("wb")
     proc = subprocess.Popen(
