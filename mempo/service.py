@@ -248,16 +248,24 @@ def require_admin(request: Request) -> None:
 AdminDep = Annotated[None, Depends(require_admin)]
 
 
+def require_weights_root(root: str | Path | None) -> Path:
+    """The configured weights root, resolved; 403 when there is none: a service without
+    one refuses every weight update rather than load any folder it is sent."""
+    if not root:
+        raise Forbidden("weight updates are refused: this service has no weights root configured")
+    return Path(root).expanduser().resolve()
+
+
 def inside_root(path: str, root: str | Path | None) -> Path:
-    """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise; 422 for a
-    string that names no path: a NUL byte, an unknown ``~user``)."""
+    """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise, and 403 with
+    no root; 422 for a string that names no path: a NUL byte, an unknown ``~user``).
+    Only the folder is checked here: the files read from it are checked one by one
+    (mempo.weights.map_safetensors with the root)."""
+    root_resolved = require_weights_root(root)
     try:
         resolved = Path(path).expanduser().resolve()
     except (ValueError, RuntimeError, OSError) as exc:
         raise BadInput(f"model_path: not a usable path ({exc})"[:300]) from None
-    if root is None:
-        return resolved
-    root_resolved = Path(root).expanduser().resolve()
     if resolved != root_resolved and root_resolved not in resolved.parents:
         raise Forbidden(f"model_path must lie inside the weights root {root_resolved}")
     return resolved

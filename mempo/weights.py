@@ -11,14 +11,26 @@ file is deleted later (the learner's retention), because the mapping holds the i
 Format: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
 then the data, offsets relative to its start.
+
+Whatever arrives over ``/update_weights_from_disk`` passes through here (the CPU engine
+and the scorer), so the reader trusts nothing: every file must be a regular file that
+resolves inside the weights root (a symlink to outside is refused, checked on the file
+actually opened), the header must be exactly the format above (anything else is a
+``WeightsFormatError``, which services answer with 400), and ``check_weights`` holds a
+state against the model's own: no missing, unexpected or reshaped tensor, no NaN / inf.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
+import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,40 +39,115 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+_FINITE_CHUNK = 1 << 24  # elements checked at once: bounds the check's temporary memory
 
 
 class WeightsFormatError(ValueError):
-    pass
+    """A weights file or folder that is not a loadable checkpoint (callers answer 400)."""
 
 
-def map_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        if len(head) != 8:
-            raise WeightsFormatError(f"{path}: too short for a safetensors file")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100_000_000:
-            raise WeightsFormatError(f"{path}: implausible header length {length}")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as exc:
-            raise WeightsFormatError(f"{path}: unreadable header ({exc})") from exc
+class WeightsOutsideRoot(WeightsFormatError):
+    """A weights file that resolves outside the weights root (a symlink out of it)."""
+
+
+class NonFiniteWeights(WeightsFormatError):
+    """A tensor holds NaN or inf: such weights are never published or loaded."""
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _open_checked(path: Path, root: Path | None) -> int:
+    """A read-only descriptor of ``path``: a regular file that, when ``root`` is given,
+    resolves inside it. The check is made on the inode actually opened, so a file
+    swapped for a symlink between the check and the open is refused too."""
+    try:  # O_NONBLOCK: opening a FIFO must not hang the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightsFormatError(f"{path.name}: cannot open ({exc.strerror})") from exc
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise WeightsFormatError(f"{path.name}: not a regular file")
+        if root is not None:
+            real, real_root = os.path.realpath(path), os.path.realpath(root)
+            try:
+                named = os.stat(real)
+            except OSError as exc:
+                raise WeightsOutsideRoot(f"{path.name}: changed while being opened") from exc
+            same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+            if not (same and _inside(real, real_root)):
+                raise WeightsOutsideRoot(
+                    f"{path.name} resolves outside the weights root {real_root}"
+                )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_header(handle: Any, path: Path, size: int) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header (a dict) and where the data starts."""
+    head = handle.read(8)
+    if len(head) != 8:
+        raise WeightsFormatError(f"{path.name}: too short for a safetensors file")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(100_000_000, size - 8):
+        raise WeightsFormatError(f"{path.name}: implausible header length {length}")
+    try:
+        header = json.loads(handle.read(length))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise WeightsFormatError(f"{path.name}: unreadable header ({exc})"[:300]) from exc
+    if not isinstance(header, dict):
+        raise WeightsFormatError(
+            f"{path.name}: the header is a JSON {type(header).__name__}, not an object"
+        )
+    return header, 8 + length
+
+
+def _entry(
+    name: str, spec: object, data_size: int, path: Path
+) -> tuple[torch.dtype, list[int], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field checked."""
+    if not isinstance(spec, dict):
+        raise WeightsFormatError(f"{path.name}: entry {name!r} is not an object")
+    name_of_dtype = spec.get("dtype")
+    dtype = _DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
+    if dtype is None:
+        raise WeightsFormatError(f"{path.name}: {name!r} has an unknown dtype")
+    shape, offsets = spec.get("shape"), spec.get("data_offsets")
+    if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+        raise WeightsFormatError(f"{path.name}: {name!r} needs a shape of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+        raise WeightsFormatError(f"{path.name}: {name!r} needs data_offsets [begin, end] as ints")
+    begin, end = offsets
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not (begin <= end <= data_size and end - begin == size):
+        raise WeightsFormatError(
+            f"{path.name}: {name!r} data_offsets [{begin}, {end}] do not hold {size} bytes "
+            f"of {data_size}"
+        )
+    return dtype, shape, begin, end
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def map_safetensors_file(path: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, zero-copy; ``root``: it must resolve inside."""
+    with os.fdopen(_open_checked(Path(path), root), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        header, start = _read_header(handle, path, size)
+        entries = {
+            name: _entry(name, spec, size - start, path)
+            for name, spec in header.items()
+            if name != "__metadata__"
+        }
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    start = 8 + length
     tensors: dict[str, torch.Tensor] = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(spec.get("dtype"))
-        begin, end = spec.get("data_offsets", (0, -1))
-        shape = spec.get("shape")
-        if (
-            dtype is None
-            or not isinstance(shape, list)
-            or not 0 <= begin <= end
-            or start + end > len(mapping)
-        ):
-            raise WeightsFormatError(f"{path}: bad entry for {name!r}")
+    for name, (dtype, shape, begin, end) in entries.items():
         count = (end - begin) // torch.empty((), dtype=dtype).element_size()
         flat = (
             torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin)
@@ -71,15 +158,63 @@ def map_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def map_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file in ``directory``, zero-copy."""
+def map_safetensors(directory: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory``, zero-copy.
+
+    ``root``: every file must resolve inside it (``WeightsOutsideRoot`` otherwise)."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightsFormatError(f"no *.safetensors in {directory}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(map_safetensors_file(file))
+        for name, tensor in map_safetensors_file(file, root).items():
+            if name in state:
+                raise WeightsFormatError(f"{name!r} appears in more than one file of {directory}")
+            state[name] = tensor
     return state
+
+
+def non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf, or None."""
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        flat = tensor.detach().reshape(-1)
+        for at in range(0, flat.numel(), _FINITE_CHUNK):
+            if not bool(torch.isfinite(flat[at : at + _FINITE_CHUNK]).all()):
+                return name
+    return None
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise ``NonFiniteWeights`` naming the first tensor with NaN or inf."""
+    if (name := non_finite(tensors)) is not None:
+        raise NonFiniteWeights(f"{name} holds NaN or inf values in {where}")
+
+
+def check_weights(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], where: str
+) -> None:
+    """``state`` must fit a model whose state dict is ``expected``: the same names (a tied
+    weight, sharing storage with a loaded one, may be left out), shapes, finite values."""
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise WeightsFormatError(f"unexpected tensors {unexpected[:5]} in {where}")
+    loaded_storage = {expected[name].data_ptr() for name in state}
+    missing = [
+        name
+        for name in expected
+        if name not in state and expected[name].data_ptr() not in loaded_storage
+    ]  # a tied weight (lm_head = embeddings) arrives with the tensor it shares
+    if missing:
+        raise WeightsFormatError(f"missing tensors {missing[:5]} in {where}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise WeightsFormatError(
+                f"{name}: shape {tuple(tensor.shape)} in {where}, "
+                f"the model has {tuple(expected[name].shape)}"
+            )
+    check_finite(state, where)
 
 
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}

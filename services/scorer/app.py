@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse, Response
 
 from mempo.api.engine import ModelInfo, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from mempo.api.scorer import MemoryScoresRequest, MemoryScoresResponse, ScoreRequest, ScoreResponse
-from mempo.service import AdminDep, ErrorBody, Metrics, inside_root, install_common
+from mempo.service import AdminDep, ErrorBody, Forbidden, Metrics, inside_root, install_common
 from mempo.settings import quiet_hub
+from mempo.weights import WeightsOutsideRoot
 from services.scorer.model import LoadedModel, load_initial
 from services.scorer.registry import Registration
 from services.scorer.scorer import ScorerService
@@ -69,6 +70,8 @@ async def update_weights(
         return JSONResponse(failed.model_dump(), 400)
     try:
         new = await scorer.update_weights(path, body.weight_version)
+    except WeightsOutsideRoot as exc:  # a file of the folder links out of the root
+        raise Forbidden(str(exc)) from exc
     except Exception as exc:  # a checkpoint that does not load: SGLang answers 400
         failed = UpdateWeightsResponse(
             success=False, message=f"model_path: cannot load: {exc}"[:500]

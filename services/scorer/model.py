@@ -1,12 +1,19 @@
 """Loading the scoring model, and swapping it atomically when new weights arrive.
 
-CUDA when available (bf16), else CPU (fp32, SDPA attention). A weight update loads the
+CUDA when available (bf16), else CPU (fp32, SDPA attention). A weight update builds the
 new model beside the old one and swaps the reference; the batcher reads the reference
 once per batch, so a batch in flight finishes on the weights it started with.
+
+An update reads nothing but the folder's ``*.safetensors``, through mempo.weights: each
+file must resolve inside the weights root, and the tensors must be exactly the model's
+(no missing, unexpected or reshaped tensor, no NaN / inf), as the CPU engine requires.
+They are copied into a copy of the current model: the architecture, config and
+tokenizer stay the ones the scorer started with (a weight update changes weights only).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from dataclasses import dataclass
@@ -14,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mempo.weights import check_weights, map_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +36,7 @@ class LoadedModel:
     path: str
     version: str
     device: torch.device
+    tokenizer_path: str | None = None  # default: path (a weight update keeps the tokenizer)
 
     @property
     def pad_id(self) -> int:
@@ -84,10 +94,25 @@ class ModelHolder:
             old, self._current = self._current, new
         return old
 
-    def update(self, path: str | Path, version: str, device: str = "auto") -> LoadedModel:
-        """Load ``path`` and make it current (blocking; call from a thread)."""
+    def update(self, path: str | Path, version: str, root: Path) -> LoadedModel:
+        """Load the weights in ``path`` (every file inside ``root``) into a copy of the
+        current model and make it current (blocking; call from a thread). Raises
+        mempo.weights.WeightsFormatError (WeightsOutsideRoot, NonFiniteWeights) when the
+        folder does not fit the model; the current model is untouched then."""
         with self.update_lock:
-            new = load_model(path, version, device)
+            current = self.current
+            state = map_safetensors(Path(path), root)
+            check_weights(state, current.model.state_dict(), str(path))
+            model = copy.deepcopy(current.model)
+            model.load_state_dict(state, strict=False)  # a tied weight arrives with its twin
+            new = LoadedModel(
+                model,
+                current.tokenizer,
+                str(path),
+                version,
+                current.device,
+                current.tokenizer_path or current.path,
+            )
             self.swap(new)
         if new.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from mempo.api.scorer import (
     ScoreRequest,
     ScoreResponse,
 )
-from mempo.service import BadInput, Metrics, TooLarge
+from mempo.service import BadInput, Metrics, TooLarge, require_weights_root
 from services.scorer.batcher import Batcher
 from services.scorer.forward import score_rows
 from services.scorer.model import LoadedModel, ModelHolder
@@ -143,12 +143,13 @@ class ScorerService:
     # ----------------------------------------------------------------- weights
 
     async def update_weights(self, path: Path, version: str | None) -> LoadedModel:
-        """Load ``path`` beside the current model and swap; raises when it cannot load."""
+        """Load ``path`` beside the current model and swap; raises when it cannot load
+        (Forbidden with no weights root; mempo.weights.WeightsFormatError for a folder
+        that does not fit the model)."""
         new_version = version if version is not None else self.current.version
+        root = require_weights_root(self.settings.weights_root)
         try:
-            loaded = await asyncio.to_thread(
-                self.holder.update, path, new_version, self.settings.device
-            )
+            loaded = await asyncio.to_thread(self.holder.update, path, new_version, root)
         except Exception:
             self._updates.labels("failed").inc()
             raise
@@ -159,5 +160,7 @@ class ScorerService:
     def model_info(self) -> ModelInfo:
         loaded = self.current
         return ModelInfo(
-            model_path=loaded.path, tokenizer_path=loaded.path, weight_version=loaded.version
+            model_path=loaded.path,
+            tokenizer_path=loaded.tokenizer_path or loaded.path,
+            weight_version=loaded.version,
         )

@@ -29,7 +29,8 @@ class ScorerSettings(ServiceSettings):
     """Weight version reported until the first update."""
 
     weights_root: str | None = None
-    """Weight updates must name a folder inside this one (else 403). Unset: any folder."""
+    """Weight updates must name a folder inside this one, and every file read from it must
+    resolve inside it too (else 403). Unset: every weight update is refused (403)."""
 
     device: str = "auto"
     """auto (CUDA in bf16 when available, else CPU in fp32), cuda, cuda:N or cpu."""

@@ -1,14 +1,24 @@
-"""Zero-copy safetensors reading equals safetensors' own loader."""
+"""Zero-copy safetensors reading equals safetensors' own loader; it refuses malformed
+headers, files outside the weights root, and weights that do not fit the model."""
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mempo.weights import WeightsFormatError, map_safetensors
+from mempo.weights import (
+    NonFiniteWeights,
+    WeightsFormatError,
+    WeightsOutsideRoot,
+    check_weights,
+    map_safetensors,
+)
 
 
 def test_equals_load_file(tmp_path: Path) -> None:
@@ -56,3 +66,75 @@ def test_write_round_trips_through_safetensors(tmp_path: Path) -> None:
     assert back.keys() == tensors.keys()
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     assert all(torch.equal(map_safetensors(tmp_path)[k], v) for k, v in tensors.items())
+
+
+def _raw(path: Path, header: object, data: bytes = b"") -> None:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+F32_1 = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ([1, 2], "not an object"),
+        ({"w": 5}, "not an object"),
+        ({"w": {**F32_1, "data_offsets": ["0", "4"]}}, "data_offsets"),
+        ({"w": {**F32_1, "data_offsets": [True, 4]}}, "data_offsets"),
+        ({"w": {**F32_1, "data_offsets": [0]}}, "data_offsets"),
+        ({"w": {**F32_1, "data_offsets": [0, 8]}}, "do not hold"),
+        ({"w": {**F32_1, "shape": [2]}}, "do not hold"),
+        ({"w": {**F32_1, "shape": [-1]}}, "shape"),
+        ({"w": {**F32_1, "shape": "1"}}, "shape"),
+        ({"w": {**F32_1, "dtype": ["F32"]}}, "dtype"),
+        ({"w": {**F32_1, "dtype": "F8_E4M3"}}, "dtype"),
+        (b"[" * 100_000 + b"]" * 100_000, "header"),  # nesting beyond the JSON parser
+        (b'{"w": "\xff"}', "header"),  # not UTF-8
+    ],
+)
+def test_malformed_headers_are_format_errors(tmp_path: Path, header: object, message: str) -> None:
+    _raw(tmp_path / "model.safetensors", header, b"\0" * 4)
+    with pytest.raises(WeightsFormatError, match=message):
+        map_safetensors(tmp_path)
+
+
+def test_every_file_must_resolve_inside_the_root(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "v1").mkdir(parents=True)
+    outside.mkdir()
+    save_file({"w": torch.ones(2)}, outside / "model.safetensors")
+    (root / "v1" / "model.safetensors").symlink_to(outside / "model.safetensors")
+    assert torch.equal(map_safetensors(root / "v1")["w"], torch.ones(2))  # no root: no check
+    with pytest.raises(WeightsOutsideRoot, match="outside the weights root"):
+        map_safetensors(root / "v1", root)
+    save_file({"w": torch.ones(2)}, root / "v1" / "real.safetensors")
+    (root / "v1" / "model.safetensors").unlink()
+    (root / "v1" / "link.safetensors").symlink_to(root / "v1" / "real.safetensors")
+    with pytest.raises(WeightsFormatError, match="more than one file"):  # a link inside is fine
+        map_safetensors(root / "v1", root)
+    (root / "v1" / "link.safetensors").unlink()
+    os.mkfifo(root / "v1" / "pipe.safetensors")  # opening it must not hang
+    with pytest.raises(WeightsFormatError, match="not a regular file"):
+        map_safetensors(root / "v1", root)
+
+
+def test_check_weights_against_the_model(tmp_path: Path) -> None:
+    expected = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    check_weights({"a": torch.ones(2, 3), "b": torch.ones(4)}, expected, "v1")
+    with pytest.raises(WeightsFormatError, match="missing tensors"):
+        check_weights({"a": torch.ones(2, 3)}, expected, "v1")
+    with pytest.raises(WeightsFormatError, match="unexpected tensors"):
+        check_weights(
+            {"a": torch.ones(2, 3), "b": torch.ones(4), "c": torch.ones(1)}, expected, "v1"
+        )
+    with pytest.raises(WeightsFormatError, match="shape"):
+        check_weights({"a": torch.ones(3, 2), "b": torch.ones(4)}, expected, "v1")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        b = torch.ones(4)
+        b[2] = bad
+        with pytest.raises(NonFiniteWeights, match="b holds NaN or inf"):
+            check_weights({"a": torch.ones(2, 3), "b": b.to(torch.bfloat16)}, expected, "v1")
+    tied = torch.zeros(5)
+    check_weights({"emb": torch.ones(5)}, {"emb": tied, "head": tied}, "v1")  # tied: one is enough

@@ -27,9 +27,9 @@ from mempo.api.engine import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
-from mempo.service import Metrics, NotReady, inside_root
+from mempo.service import Forbidden, Metrics, NotReady, inside_root, require_weights_root
 from mempo.settings import quiet_hub
-from services.rollout.engine.model import ModelRunner, WeightsError
+from services.rollout.engine.model import ModelRunner, WeightsError, WeightsRootError
 from services.rollout.engine.protocol import Limits, expand, response
 from services.rollout.engine.runtime import EngineRuntime, EngineStopped
 from services.rollout.engine.sequence import Sequence, SequenceSpec
@@ -193,13 +193,17 @@ class Engine:
     async def update_weights_from_disk(
         self, req: UpdateWeightsFromDiskRequest
     ) -> UpdateWeightsResponse:
-        path = inside_root(req.model_path, self.settings.weights_root)  # 403 outside
+        root = require_weights_root(self.settings.weights_root)  # 403 with no root at all
+        path = inside_root(req.model_path, root)  # 403 outside
         try:
-            state = await asyncio.to_thread(self.runner.read_weights, path)
+            state = await asyncio.to_thread(self.runner.read_weights, path, root)
             future = self.runtime.update_weights(
                 state, path, req.weight_version, req.abort_all_requests
             )
             aborted = await asyncio.wrap_future(future)
+        except WeightsRootError as exc:  # a file of the folder links out of the root
+            log.warning("weight update from %s refused: %s", path, exc)
+            raise Forbidden(str(exc)) from exc
         except (WeightsError, EngineStopped, RuntimeError) as exc:
             log.warning("weight update from %s refused: %s", path, exc)
             return UpdateWeightsResponse(success=False, message=f"Failed to update weights: {exc}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mempo.weights import map_safetensors
+from mempo.weights import WeightsOutsideRoot, check_weights, map_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class WeightsError(Exception):
     """A weights folder that cannot be loaded into this model."""
+
+
+class WeightsRootError(WeightsError):
+    """A weights file that resolves outside the weights root."""
 
 
 class ModelRunner:
@@ -82,38 +86,25 @@ class ModelRunner:
         )
         return out.logits  # type: ignore[no-any-return]
 
-    def read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        """Read and check the safetensors in ``path`` against this model's parameters."""
+    def read_weights(self, path: Path, root: Path | None) -> dict[str, torch.Tensor]:
+        """Read the safetensors in ``path`` (each file inside ``root``) and check them
+        against this model's parameters (mempo.weights.check_weights: names, shapes,
+        finite values)."""
         try:
             is_folder = path.is_dir()
         except OSError:  # a name longer than the file system allows
             is_folder = False
         if not is_folder:
             raise WeightsError(f"{path} is not a folder")
-        try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
-            state = map_safetensors(path)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise WeightsError(f"cannot read {path}: {exc}") from exc
         expected = self.model.state_dict()
-        unexpected = sorted(set(state) - set(expected))
-        if unexpected:
-            raise WeightsError(f"unexpected tensors {unexpected[:5]} in {path}")
-        loaded_storage = {expected[name].data_ptr() for name in state}
-        missing = [
-            name
-            for name in expected
-            if name not in state and expected[name].data_ptr() not in loaded_storage
-        ]  # a tied weight (lm_head = embeddings) arrives with the tensor it shares
-        if missing:
-            raise WeightsError(f"missing tensors {missing[:5]} in {path}")
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise WeightsError(
-                    f"{name}: shape {tuple(tensor.shape)} in {path}, "
-                    f"the model has {tuple(expected[name].shape)}"
-                )
-            state[name] = tensor.to(expected[name].dtype)
-        return state
+        try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
+            state = map_safetensors(path, root)
+            check_weights(state, expected, str(path))
+        except WeightsOutsideRoot as exc:
+            raise WeightsRootError(str(exc)) from exc
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise WeightsError(f"cannot load {path}: {exc}") from exc
+        return {name: tensor.to(expected[name].dtype) for name, tensor in state.items()}
 
     def apply_weights(self, state: dict[str, torch.Tensor], path: Path) -> None:
         """Put checked weights in the model (scheduler thread, between steps).

@@ -24,7 +24,8 @@ class EngineSettings(ServiceSettings):
     """Tokenizer folder; default: model_path."""
 
     weights_root: str | None = None
-    """/update_weights_from_disk only loads folders inside this root (403 otherwise). Unset: any."""
+    """/update_weights_from_disk only loads folders inside this root whose files all resolve
+    inside it too (403 otherwise). Unset: every weight update is refused (403)."""
 
     weight_version: str = "0"
     """weight_version reported until the first weight update."""
