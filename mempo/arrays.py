@@ -123,10 +123,12 @@ class PackedArray(Sequence[Any]):
         itemsize = np.dtype(cls.dtype).itemsize
         if offset + count * itemsize > len(sidecar):
             raise ValueError(f"sidecar reference [{offset}, {count}] runs past the {len(sidecar)}-byte sidecar")
-        # The sidecar is written only by dump_with_sidecar from a validated model (the
-        # Redis streams), so its values are not re-checked one by one: a zero-copy view.
+        # A zero-copy view, range-checked like any other input (vectorised, no copy):
+        # anyone who can write to the stream can write a sidecar, and a NaN log-prob
+        # that reached the learner would turn the whole policy into NaN.
         view = cls.__new__(cls)
         view._array = np.frombuffer(sidecar, dtype=cls.dtype, count=count, offset=offset)
+        cls._check(view._array)
         return view
 
     def pack(self) -> dict[str, str]:

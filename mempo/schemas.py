@@ -112,7 +112,12 @@ class Trajectory(Record):
     trajectory_id: str = Field(default_factory=lambda: new_id("traj"))
     rounds: list[Round] = Field(min_length=1)
     answer_text: str | None = None
-    reward: float = 0.0
+    reward: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="outcome reward R_T in [0, 1] (exact match; F1 and partial credit too)",
+    )
     correct: bool = False
     format_ok: bool = False
     p_mem: list[float] = Field(default_factory=list)
@@ -134,8 +139,10 @@ class Trajectory(Record):
             raise ValueError(
                 f"p_mem has {len(self.p_mem)} values for {with_memory} rounds with a memory"
             )
-        if any(not 0.0 <= p <= 1.0 for p in [*self.p_mem, *self.p_full]):
-            raise ValueError("p_mem and p_full are probabilities in [0, 1]")
+        for name in ("p_mem", "p_full"):  # NaN fails the comparison too
+            bad = next((p for p in getattr(self, name) if not 0.0 <= p <= 1.0), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds {bad}: probabilities lie in [0, 1]")
         return self
 
     @property

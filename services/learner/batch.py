@@ -153,7 +153,14 @@ def trajectory_sequences(
 
 
 def validate_group(group: Group, vocab_size: int) -> str | None:
-    """Why the trainer cannot use this group (a reason for the dead stream), or None."""
+    """Why the trainer cannot use this group (a reason for the dead stream), or None.
+
+    The wire schema already holds every number in range (finite log-probs <= 0, rewards
+    and P_mem / P_full in [0, 1]); here: token ids inside this model's vocabulary, and at
+    least one response token (a group of empty responses has nothing to train on, and a
+    batch of such groups alone would fail the step)."""
+    if not any(len(r.response_ids) for t in group.trajectories for r in t.rounds):
+        return "every response is empty: no response token to train on"
     for traj in group.trajectories:
         for rnd in traj.rounds:
             for name in ("prompt_ids", "response_ids"):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mempo.tiny import make_world_readable
-from mempo.weights import write_safetensors
+from mempo.weights import check_finite, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,13 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def save(root: Path, state: TrainingState, keep_last: int) -> Path:
-    """Write ``state`` atomically as ``root/step-{step:08d}``; apply retention."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write ``state`` atomically as ``root/step-{step:08d}``; apply retention.
+
+    A policy with a NaN or inf weight is refused (NonFiniteWeights) before anything is
+    written: retention would otherwise delete the last good checkpoint a few steps later."""
     meta = state.meta
+    check_finite(state.model, f"the policy of step {meta.step}")
+    root.mkdir(parents=True, exist_ok=True)
     python_rng = {k: state.rng[k] for k in ("python", "numpy")}
     meta_json = json.dumps(
         {

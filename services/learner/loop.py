@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from mempo.queue import RedisQueue
 from mempo.schemas import Group
+from mempo.weights import NonFiniteWeights
 from services.learner.admission import Admission, TaskSpec, open_source
 from services.learner.consumer import Batch, GroupConsumer, TrainedIds
 from services.learner.publish import PublishReport, WeightPublisher
@@ -145,11 +146,15 @@ class LearnerLoop:
         staleness = batch.staleness(self.trainer.version)
         # advantages (outcome + memory) -> old / ref log-probs -> PPO epochs -> AdamW step
         train = await self._train(batch)
-        await asyncio.to_thread(
-            self.trainer.save_checkpoint,
-            self.settings.checkpoints,
-            self.consumer.trained.with_(batch.group_ids),
-        )
+        try:
+            await asyncio.to_thread(
+                self.trainer.save_checkpoint,
+                self.settings.checkpoints,
+                self.consumer.trained.with_(batch.group_ids),
+            )
+        except NonFiniteWeights as exc:  # never checkpointed nor published: stop loudly
+            await self.consumer.release(batch, f"checkpoint refused: {exc}")
+            raise
         self.consumer.trained_on(batch)
         report = await self.publish()
         await self.consumer.ack(batch)  # only now: the checkpoint holding this step is durable
@@ -188,6 +193,7 @@ class LearnerLoop:
         record = self.journal.write(self.trainer.step, self.trainer.version, figures)
         self.last_metrics = record
         self.metrics.steps.inc()
+        self.metrics.skipped_steps.inc(figures.get("skipped_steps", 0.0))
         self.metrics.step_seconds.observe(step_s)
         self.metrics.groups_consumed.inc(len(batch.deliveries))
         self.metrics.staleness.set(figures["staleness_mean"])

@@ -1,8 +1,10 @@
 """Publishing weights: HF safetensors per version, the policy pointer, every engine told.
 
 1. The trainer exports HF-format weights into a temp dir under the weights root, made
-   world-readable (containers run as other users), renamed to ``v{version}/``: an
-   engine never sees half a version.
+   world-readable (containers run as other users), read back and checked finite (a NaN
+   or inf tensor, or one that overflowed the export dtype, fails the publish: nothing
+   is renamed, pointed at or sent), renamed to ``v{version}/``: an engine never sees
+   half a version.
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
 3. Every live registration gets ``POST /update_weights_from_disk`` in parallel, with a
@@ -33,6 +35,7 @@ from mempo.clients.engine import EngineClient, EngineError
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
 from mempo.tiny import make_world_readable
+from mempo.weights import check_finite, map_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,7 @@ class WeightPublisher:
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{version}-", dir=self.root))
         try:
             exporter.export_hf(tmp)
+            check_finite(map_safetensors(tmp), f"weights version {version}")
             make_world_readable(tmp)
             if final.exists():  # re-publishing after a resume: replace the old copy
                 shutil.rmtree(final)

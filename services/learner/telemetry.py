@@ -24,6 +24,9 @@ class LearnerMetrics(Metrics):
             "groups_dropped_total", "groups dropped unseen by the trainer", ("reason",)
         )
         self.tasks_admitted = self.counter("tasks_admitted_total", "tasks fed to the rollout")
+        self.skipped_steps = self.counter(
+            "skipped_steps_total", "optimizer steps skipped for a non-finite loss or gradient"
+        )
         self.publish_failures = self.counter(
             "publish_failures_total", "engine weight updates that failed (engine left stale)"
         )

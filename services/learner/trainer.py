@@ -3,7 +3,8 @@
     groups -> batch + per-token advantages -> old log-probs -> reference log-probs
            -> ppo_epochs x shuffled mini-batches (micro-batch gradient accumulation)
            -> clipped surrogate + beta * KL - entropy bonus, agg_loss over the mini-batch
-           -> grad-norm clip -> AdamW + warmup schedule
+           -> grad-norm clip -> AdamW + warmup schedule (skipped when the loss or the
+              gradient norm is not finite: one bad number never reaches the weights)
 
 The trainer knows the algorithm only through per-token advantages (services/learner/
 batch.py computes them from mempo.advantages). The policy and a frozen reference copy of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -111,6 +113,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.optimizer_steps = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
         hf_config: Any = self.policy.config
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_id = int(hf_config.pad_token_id if hf_config.pad_token_id is not None else 0)
@@ -189,23 +192,39 @@ class Trainer:
             logp_seen[micro.token_index] = logp.detach()
             sums += stats
         lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = self._optimizer_step()
+        sums = all_reduce_sum(sums.cpu(), self.dist)  # before the step: every rank sees the loss
+        grad_norm, stepped = self._optimizer_step(float(sums[-1]))
         if first:
             self._first_logp = all_reduce_sum(logp_seen.cpu(), self.dist)
             self._first_mini = mini
-        sums = all_reduce_sum(sums.cpu(), self.dist)
         count = max(float(sums[0]), 1.0)
         metrics = {name: float(sums[i]) / count for i, name in enumerate(SUMS)}
         metrics.update(tokens=float(sums[0]), loss=float(sums[-1]), grad_norm=grad_norm, lr=lr)
+        metrics["skipped"] = 0.0 if stepped else 1.0
         return metrics
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, loss: float) -> tuple[float, bool]:
+        """Clip and step: (gradient norm, whether the step was taken). A non-finite loss or
+        norm (the same on every rank: both are reduced) skips the step with the gradients
+        zeroed, so NaN / inf never reaches the weights or AdamW's moments."""
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grad_clip)
-        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        full = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not (math.isfinite(loss) and math.isfinite(full)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            log.warning(
+                "step %d: optimizer step skipped (loss %s, gradient norm %s: not finite); "
+                "%d skipped so far",
+                self.step + 1,
+                loss,
+                full,
+                self.skipped_steps,
+            )
+            return full, False
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
-        return float(full)
+        return full, True
 
     # ----------------------------------------------------------------- forwards
 
@@ -254,7 +273,8 @@ class Trainer:
             lr=mb[-1]["lr"],
             logprob_gap=float(gap.mean()) if gap.numel() else 0.0,
             logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
-            optimizer_steps=float(len(mb)),
+            optimizer_steps=float(sum(1 for m in mb if not m["skipped"])),
+            skipped_steps=float(sum(m["skipped"] for m in mb)),
             step=float(self.step),
             version=float(self.version),
             step_time_s=elapsed,

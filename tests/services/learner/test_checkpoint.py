@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mempo.weights import NonFiniteWeights
 from services.learner import checkpoint
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
@@ -126,6 +127,19 @@ def test_retention_and_atomicity(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         trainer.save_checkpoint(tmp_path, [], {"not json": object()})
     assert sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+def test_a_non_finite_policy_is_never_checkpointed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Retention would delete the last good checkpoint a few steps after a NaN one."""
+    trainer = Trainer(TrainerConfig(beta_kl=0.0, keep_last=1), tiny_model_dir)
+    good = trainer.save_checkpoint(tmp_path, ["g0"])
+    with torch.no_grad():
+        next(trainer.policy.parameters()).view(-1)[0] = float("nan")
+    trainer.step = trainer.version = 1
+    with pytest.raises(NonFiniteWeights, match="NaN or inf"):
+        trainer.save_checkpoint(tmp_path, ["g0", "g1"])
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
+    assert checkpoint.latest(tmp_path) == good
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tiny_model_dir: Path, tmp_path: Path) -> None:

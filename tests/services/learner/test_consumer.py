@@ -1,13 +1,18 @@
-"""Consumption: duplicates and stale groups dropped (acked, counted), dead letters, batches."""
+"""Consumption: duplicates and stale groups dropped (acked, counted), dead letters (malformed
+records, numbers out of range), batches."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import struct
 
+import pytest
+
+from mempo.arrays import dump_with_sidecar
 from mempo.keys import Keys
 from mempo.queue import Delivery, RedisQueue
-from mempo.schemas import Task
+from mempo.schemas import Group, Task
 from services.learner.consumer import Batch, GroupConsumer, TrainedIds
 from services.learner.state import LearnerState
 from tests.services.learner.service_support import make_group
@@ -84,6 +89,61 @@ async def test_malformed_records_go_to_the_dead_stream(redis_client: object, key
     assert all(d["stream"] == keys.groups for d in dead)
     assert "malformed Group record" in dead[0]["reason"]
     assert "trajectories" in dead[1]["reason"] or "n=2" in dead[1]["reason"]
+
+
+def _poisoned_json(group: Group, where: str, value: str) -> str:
+    """The group's JSON with one number replaced by ``value`` (NaN, 1e308: what a broken
+    or hostile producer writes straight into the stream, past any pydantic model)."""
+    data = group.model_dump(mode="json")
+    traj = data["trajectories"][0]
+    if where == "logprob":
+        traj["rounds"][0]["response_logprobs"][0] = "@"
+    else:
+        traj[where] = "@" if where == "reward" else ["@", *traj[where][1:]]
+    return json.dumps(data).replace('"@"', value)
+
+
+def _poisoned_sidecar(group: Group, value: float) -> tuple[str, bytes]:
+    """The group as the worker publishes it (JSON + binary sidecar), one log-prob replaced."""
+    text, blob = dump_with_sidecar(group)
+    offset = json.loads(text)["trajectories"][0]["rounds"][0]["response_logprobs"]["ref"][0]
+    return text, blob[:offset] + struct.pack("<d", value) + blob[offset + 8 :]
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("reward", "NaN"),
+        ("reward", "1e308"),
+        ("reward", "Infinity"),
+        ("reward", "-0.5"),
+        ("p_mem", "NaN"),
+        ("p_full", "1.5"),
+        ("logprob", "NaN"),
+        ("logprob", "0.5"),
+        ("sidecar", "NaN"),
+        ("sidecar", "Infinity"),
+        ("sidecar", "0.25"),
+    ],
+)
+async def test_out_of_range_numbers_are_dead_lettered_with_a_reason(
+    redis_client: object, keys: Keys, where: str, value: str
+) -> None:
+    queue = await _queue(redis_client, keys)
+    consumer = _consumer(queue, batch=1)
+    bad = make_group(_task(1))
+    if where == "sidecar":
+        text, blob = _poisoned_sidecar(bad, float(value))
+        await queue.redis.xadd(keys.groups, {"data": text, "blob": blob})
+    else:
+        await queue.redis.xadd(keys.groups, {"data": _poisoned_json(bad, where, value)})
+    await queue.publish_group(make_group(_task(2)))
+    batch = await consumer.next_batch(version=0, block_ms=None)
+    assert batch is not None and batch.group_ids == ["g2"]
+    (dead,) = await queue.dead_letters()
+    assert "malformed Group record" in dead["reason"]
+    named = {"sidecar": "log-probs", "logprob": "log-probs"}.get(where, where)
+    assert named in dead["reason"], dead["reason"]
 
 
 async def test_a_restart_reads_its_pending_groups_first(redis_client: object, keys: Keys) -> None:

@@ -8,10 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from mempo.keys import Keys
 from mempo.procs import free_port
 from mempo.queue import EngineInfo, RedisQueue
+from mempo.weights import NonFiniteWeights
 from services.learner.publish import WeightPublisher
 from tests.services.learner.service_support import StandInEngine, serving
 
@@ -30,6 +32,18 @@ class CopyExporter:
         for name in ("config.json", "model.safetensors"):
             shutil.copy(self.source / name, out_dir / name)
         (out_dir / "model.safetensors").chmod(0o600)  # as safetensors saves it
+        return out_dir
+
+
+class PoisonedExporter(CopyExporter):
+    """The tiny model with one NaN weight (what a NaN step would have exported)."""
+
+    def export_hf(self, out_dir: Path) -> Path:
+        super().export_hf(out_dir)
+        state = load_file(str(out_dir / "model.safetensors"))
+        name = sorted(n for n, t in state.items() if t.is_floating_point())[0]
+        state[name].view(-1)[0] = float("nan")
+        save_file(state, str(out_dir / "model.safetensors"))
         return out_dir
 
 
@@ -188,5 +202,27 @@ async def test_a_failed_export_publishes_nothing(
         assert [p.name for p in root.iterdir()] == ["v1"]
         await publisher.publish(CopyExporter(tiny_model_dir), 1)  # a republish replaces it
         assert (root / "v1" / "model.safetensors").exists()
+    finally:
+        await publisher.aclose()
+
+
+async def test_non_finite_weights_are_never_published(
+    redis_client: object,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    engines: list[StandInEngine],
+) -> None:
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines)
+    root = tmp_path / "w"
+    publisher = WeightPublisher(queue, root, admin_token=TOKEN)
+    try:
+        await publisher.publish(CopyExporter(tiny_model_dir), 1)
+        with pytest.raises(NonFiniteWeights, match="weights version 2"):
+            await publisher.publish(PoisonedExporter(tiny_model_dir), 2)
+        assert [p.name for p in root.iterdir()] == ["v1"]  # nothing renamed into place
+        assert (await queue.get_policy()).version == 1  # type: ignore[union-attr]
+        assert all(len(e.calls) == 1 for e in engines)  # no engine was told
     finally:
         await publisher.aclose()

@@ -12,7 +12,8 @@ import torch
 
 from mempo.keys import Keys
 from mempo.queue import EngineInfo, RedisQueue
-from mempo.schemas import Task
+from mempo.schemas import Group, Task
+from mempo.weights import map_safetensors, non_finite
 from services.learner.loop import LearnerLoop
 from services.learner.settings import LearnerSettings
 from services.learner.trainer_config import TrainerConfig
@@ -204,6 +205,60 @@ async def test_an_untrainable_group_is_dead_lettered_at_once(
         (dead,) = await queue.dead_letters()
         assert "untrainable group" in dead["reason"] and "vocabulary" in dead["reason"]
         assert json.loads(dead["data"])["group_id"] == "bad"
+    finally:
+        await loop.aclose()
+
+
+def empty_responses(group_id: str) -> Group:
+    """A wire-valid group whose every response is empty (nothing to train on)."""
+    data = make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2)).model_dump()
+    for traj in data["trajectories"]:
+        traj["p_mem"], traj["p_full"] = [], []
+        for rnd in traj["rounds"]:
+            rnd.update(response_ids=[], response_logprobs=[], mem_span=None)
+    return Group.model_validate(data)
+
+
+async def test_groups_without_a_response_token_are_dead_lettered_and_training_goes_on(
+    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+) -> None:
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
+    loop = await LearnerLoop.open(settings, queue)
+    try:
+        for name in ("empty-1", "empty-2"):
+            await queue.publish_group(empty_responses(name))
+        await queue.publish_group(
+            make_group(Task(group_id="good", questions=["q?"], answers=[["a"]], n=2))
+        )
+        record = await loop.training_step()
+        assert record is not None and loop.trainer.step == 1
+        dead = await queue.dead_letters()
+        assert [json.loads(d["data"])["group_id"] for d in dead] == ["empty-1", "empty-2"]
+        assert all("no response token" in d["reason"] for d in dead)
+    finally:
+        await loop.aclose()
+
+
+async def test_a_nan_reward_never_reaches_the_published_policy(
+    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+) -> None:
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
+    loop = await LearnerLoop.open(settings, queue)
+    try:
+        bad = make_group(Task(group_id="bad", questions=["q?"], answers=[["a"]], n=2))
+        data = bad.model_dump(mode="json")
+        data["trajectories"][0]["reward"] = "@"
+        await queue.redis.xadd(keys.groups, {"data": json.dumps(data).replace('"@"', "NaN")})
+        await queue.publish_group(
+            make_group(Task(group_id="good", questions=["q?"], answers=[["a"]], n=2))
+        )
+        record = await loop.training_step()
+        assert record is not None and record["skipped_steps"] == 0
+        (dead,) = await queue.dead_letters()
+        assert "reward" in dead["reason"] and json.loads(dead["data"])["group_id"] == "bad"
+        published = map_safetensors(Path(loop.last_publish.path))  # type: ignore[union-attr]
+        assert non_finite(published) is None
+        assert non_finite(parameters(loop)) is None
     finally:
         await loop.aclose()
 

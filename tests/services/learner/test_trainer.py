@@ -129,3 +129,27 @@ def test_a_group_outside_the_vocabulary_is_refused(tiny_model_dir: Path) -> None
         trainer.train_step([group])
     assert trainer.version == 0
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_a_non_finite_loss_skips_the_step_and_is_counted(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NaN that got past every check (assigned here, past validation) must not reach the
+    weights: the optimizer step is skipped, gradients zeroed, the skip counted and logged."""
+    groups = cached_groups(tiny_model_dir, 2)
+    groups[0].trajectories[0].reward = float("nan")  # NaN advantages -> NaN loss
+    trainer = Trainer(TrainerConfig(lr=1e-2, warmup_steps=0, mini_batches=2), tiny_model_dir)
+    before = snapshot(trainer.policy)
+    with caplog.at_level("WARNING", logger="services.learner.trainer"):
+        metrics = trainer.train_step(groups)
+    assert "optimizer step skipped" in caplog.text
+    assert metrics["skipped_steps"] == 2 and metrics["optimizer_steps"] == 0
+    assert trainer.skipped_steps == 2 and trainer.optimizer_steps == 0
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert not trainer.optimizer.state  # AdamW's moments never saw the NaN
+    metrics = trainer.train_step(cached_groups(tiny_model_dir, 2))  # good data trains again
+    assert metrics["skipped_steps"] == 0 and metrics["optimizer_steps"] == 2
+    after = snapshot(trainer.policy)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert all(bool(torch.isfinite(p).all()) for p in after.values())
