@@ -68,7 +68,8 @@ def start_http_stack(
         "learner": sup.start("learner", ["mempo", "learner", "serve"], url=urls["learner"], env=env(
             "LEARNER", PORT=ports["learner"], REDIS_URL=redis_url, KEY_PREFIX=prefix,
             MODEL_PATH=model, RUN_DIR=run_dir / "learner", WEIGHTS_ROOT=weights, DEVICE="cpu",
-            ADMIN_TOKEN=token, ENGINE_ADMIN_TOKEN=token, GROUP_SIZE=2, BATCH_GROUPS=1,
+            ADMIN_TOKEN=token, WORKER_ADMIN_TOKEN=token, SCORER_ADMIN_TOKEN=token, GROUP_SIZE=2,
+            BATCH_GROUPS=1,
             DRAIN_S=2)),
     }  # fmt: skip
     sup.wait_ready(list(second.values()), ready_timeout_s)
