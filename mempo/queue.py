@@ -83,7 +83,7 @@ def connect(url: str, password: str | None = None) -> aioredis.Redis:
 async def redis_problem(redis: aioredis.Redis, timeout_s: float = 2.0) -> str | None:
     """Why Redis cannot be used now (unreachable, wrong password, ...), or None if PING works.
     The reason names the error, never the URL or a secret."""
-    for attempt in range(2):  # a pooled connection that Redis closed fails once, then reconnects
+    for _attempt in range(2):  # a pooled connection that Redis closed fails once, then reconnects
         try:
             await asyncio.wait_for(redis.ping(), timeout_s)  # type: ignore[misc]
             return None
