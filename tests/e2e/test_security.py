@@ -99,6 +99,9 @@ def weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     shutil.copytree(tiny_model_dir, base / "outside")
     shutil.copytree(tiny_model_dir, base / "weights-sibling" / "v1")  # same string prefix
     (root / "link").symlink_to(base / "outside", target_is_directory=True)
+    (root / "file-links").mkdir()  # a folder inside the root whose files link outside it
+    for item in (base / "outside").iterdir():
+        (root / "file-links" / item.name).symlink_to(item)
     (root / "empty").mkdir()
     return SimpleNamespace(root=root, base=base)
 
@@ -255,6 +258,7 @@ def outside_paths(weights: SimpleNamespace) -> list[str]:
         str(weights.base / "outside"),
         f"{root}/../outside",
         str(root / "link"),  # a symlink inside the root to a folder outside it
+        str(root / "file-links"),  # a folder inside whose files are symlinks to outside
         str(weights.base / "weights-sibling" / "v1"),
         "/",
         str(root.parent),
