@@ -7,9 +7,11 @@ mempo/agent_format.py, the definition the rollout workers use.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mempo.api.text import ALL_TEXT, Text
 
 AliasPolicy = Literal["best", "first"]
 
@@ -20,11 +22,11 @@ class ChatMessage(BaseModel):
 
 
 class ScoreItem(BaseModel):
-    context: str | list[ChatMessage] = Field(
+    context: Annotated[str | list[ChatMessage], ALL_TEXT] = Field(
         description="plain text, or chat messages rendered with the model's chat template "
         "(with the generation prompt)"
     )
-    answers: list[str] = Field(
+    answers: list[Text] = Field(
         min_length=1, description="answer aliases; the best (or first) is reported"
     )
 
@@ -59,15 +61,15 @@ class ScoreResponse(BaseModel):
 
 
 class MemoryRound(BaseModel):
-    memory: str | None = Field(description="the <mem> content written in this round (null: none)")
-    transcript: str = Field(
+    memory: Text | None = Field(description="the <mem> content written in this round (null: none)")
+    transcript: Text = Field(
         description="the round as full history holds it: response + information block"
     )
 
 
 class MemoryTrajectory(BaseModel):
-    questions: list[str] = Field(min_length=1)
-    answers: list[list[str]] = Field(min_length=1, description="gold aliases per question")
+    questions: list[Text] = Field(min_length=1)
+    answers: list[list[Text]] = Field(min_length=1, description="gold aliases per question")
     rounds: list[MemoryRound] = Field(min_length=1)
 
     @model_validator(mode="after")

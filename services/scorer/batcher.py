@@ -1,10 +1,18 @@
-"""Dynamic batching: concurrent requests share forwards, on one worker thread.
+"""Dynamic, fair batching: concurrent requests share forwards, on one worker thread.
 
 Requests wait in a bounded queue (full: ``Overloaded``, 503 with Retry-After). The
-worker takes the oldest, then keeps taking more until the batch reaches the token
-budget or ``max_wait_s`` has passed, runs them together and hands each request its
-own results through its asyncio future. ``stop`` stops intake, drains what is queued,
-then joins the thread.
+worker fills a batch up to the token budget, waiting up to ``max_wait_s`` for more
+requests after the first, and hands each request its own results through its asyncio
+future once all of its rows have run.
+
+Fairness: a request is cut into pieces of rows. While other requests wait, each turn
+gives the request at the head of the queue at most ``max_share`` of the budget, then
+sends it to the back; so a request of thousands of rows runs a piece per turn and a
+small request that comes after it waits for one turn, not for all of them. A request
+alone takes the whole budget. A request whose pieces ran under two weight versions is
+run again from its first row (its results always come from one version). A request
+whose client has gone (its future is done) is dropped. ``stop`` stops intake, drains
+what is queued, then joins the thread.
 """
 
 from __future__ import annotations
@@ -32,13 +40,27 @@ class BatchResult:
     weight_version: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     rows: list[Row]
-    tokens: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[BatchResult]
     enqueued: float = field(default_factory=time.monotonic)
+    next_row: int = 0  # rows before this one are in a batch already
+    done_rows: int = 0
+    logprobs: LogProbTable = field(default_factory=dict)
+    version: str | None = None  # the weight version its finished pieces ran under
+
+    def restart(self) -> None:
+        self.next_row, self.done_rows, self.version = 0, 0, None
+        self.logprobs = {}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    job: _Job
+    start: int
+    stop: int
 
 
 class Batcher:
@@ -49,13 +71,15 @@ class Batcher:
         max_wait_s: float,
         max_queue: int,
         on_batch: Callable[[int, int, float], None] | None = None,
+        max_share: float = 0.25,
     ) -> None:
         self.run_rows = run_rows
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.on_batch = on_batch  # (jobs, tokens, seconds), for metrics
-        self._jobs: deque[_Job] = deque()
+        self.share_tokens = max(1, int(max_batch_tokens * max_share))
+        self._jobs: deque[_Job] = deque()  # jobs with rows not yet in a batch, in turn order
         self._cond = threading.Condition()
         self._accepting = False
         self._thread: threading.Thread | None = None
@@ -84,7 +108,7 @@ class Batcher:
 
     async def submit(self, rows: list[Row]) -> BatchResult:
         loop = asyncio.get_running_loop()
-        job = _Job(rows, sum(r.num_tokens for r in rows), loop, loop.create_future())
+        job = _Job(rows, loop, loop.create_future())
         with self._cond:
             if not self._accepting:
                 raise NotReady("the scorer is shutting down")
@@ -97,54 +121,108 @@ class Batcher:
 
     # ----------------------------------------------------------------- worker thread
 
-    def _take_batch(self) -> list[_Job] | None:
-        """The next batch, or None once stopped and drained."""
+    def _cut(self, job: _Job, budget: int, first: bool) -> tuple[_Piece, int] | None:
+        """The job's next piece within ``budget`` tokens (and its turn's share while others
+        wait); None when not even its next row fits a batch that has pieces already."""
+        limit = min(budget, self.share_tokens) if len(self._jobs) > 1 else budget
+        start = stop = job.next_row
+        used = 0
+        while stop < len(job.rows):
+            tokens = job.rows[stop].num_tokens
+            if stop == start:
+                if tokens > budget and not first:
+                    return None
+            elif used + tokens > limit:
+                break
+            used += tokens
+            stop += 1
+        job.next_row = stop
+        return _Piece(job, start, stop), used
+
+    def _take_batch(self) -> tuple[list[_Piece], int] | None:
+        """The next batch's pieces and tokens, or None once stopped and drained."""
         with self._cond:
             while not self._jobs:
                 if not self._accepting:
                     return None
                 self._cond.wait()
-            batch = [self._jobs.popleft()]
-            tokens = batch[0].tokens
+            pieces: list[_Piece] = []
+            tokens = 0
             deadline = time.monotonic() + self.max_wait_s
             while tokens < self.max_batch_tokens:
                 if self._jobs:
-                    if tokens + self._jobs[0].tokens > self.max_batch_tokens:
+                    job = self._jobs[0]
+                    if job.future.done():  # the client went away
+                        self._jobs.popleft()
+                        continue
+                    cut = self._cut(job, self.max_batch_tokens - tokens, first=not pieces)
+                    if cut is None:
                         break
-                    job = self._jobs.popleft()
-                    batch.append(job)
-                    tokens += job.tokens
+                    pieces.append(cut[0])
+                    tokens += cut[1]
+                    self._jobs.popleft()
+                    if job.next_row < len(job.rows):
+                        self._jobs.append(job)  # its next turn comes after the others'
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._accepting:
                     break
                 self._cond.wait(remaining)
-            return batch
+            return pieces, tokens
 
     def _work(self) -> None:
-        while (batch := self._take_batch()) is not None:
+        while (taken := self._take_batch()) is not None:
+            pieces, tokens = taken
+            if not pieces:
+                continue
             started = time.monotonic()
-            rows = [row for job in batch for row in job.rows]
+            rows = [row for p in pieces for row in p.job.rows[p.start : p.stop]]
+            jobs = list(dict.fromkeys(p.job for p in pieces))
             try:
                 table, version = self.run_rows(rows)
             except Exception as exc:  # the requests fail, the worker lives on
-                log.exception("scoring a batch of %d requests failed", len(batch))
-                for job in batch:
-                    _deliver(job, _set_exception, exc)
+                log.exception("scoring a batch of %d requests failed", len(jobs))
+                self._fail(jobs, exc)
                 continue
-            owner: list[tuple[int, int]] = []  # batch row -> (job, row within the job)
-            for j, job in enumerate(batch):
-                owner.extend((j, r) for r in range(len(job.rows)))
-            own: list[LogProbTable] = [{} for _ in batch]
-            for (r, s), values in table.items():
-                j, local = owner[r]
-                own[j][(local, s)] = values
-            for job, logprobs in zip(batch, own, strict=True):
-                _deliver(job, _set_result, BatchResult(logprobs, version))
+            self._merge(pieces, jobs, table, version)
             elapsed = time.monotonic() - started
             self._mean_batch_s = 0.8 * self._mean_batch_s + 0.2 * elapsed
             if self.on_batch is not None:
-                self.on_batch(len(batch), sum(j.tokens for j in batch), elapsed)
+                self.on_batch(len(jobs), tokens, elapsed)
+
+    def _merge(
+        self, pieces: list[_Piece], jobs: list[_Job], table: LogProbTable, version: str
+    ) -> None:
+        """File the batch's results under their jobs; deliver the jobs now complete."""
+        stale = {j for j in jobs if j.version is not None and j.version != version}
+        owner: list[tuple[_Piece, int]] = []  # batch row -> (piece, row within the job)
+        for piece in pieces:
+            owner.extend((piece, r) for r in range(piece.start, piece.stop))
+        for (r, s), values in table.items():
+            piece, local = owner[r]
+            if piece.job not in stale:
+                piece.job.logprobs[(local, s)] = values
+        for piece in pieces:
+            piece.job.done_rows += piece.stop - piece.start
+        for job in jobs:
+            if job in stale:  # the weights changed between its pieces: run it again
+                log.info("a request spanned weight versions %s, %s: rerun", job.version, version)
+                with self._cond:
+                    job.restart()
+                    if job not in self._jobs:
+                        self._jobs.append(job)
+                continue
+            job.version = version
+            if job.done_rows == len(job.rows):
+                _deliver(job, _set_result, BatchResult(job.logprobs, version))
+
+    def _fail(self, jobs: list[_Job], exc: Exception) -> None:
+        with self._cond:
+            for job in jobs:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+        for job in jobs:
+            _deliver(job, _set_exception, exc)
 
 
 def _deliver(job: _Job, setter: Callable[..., None], value: object) -> None:

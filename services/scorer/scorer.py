@@ -1,15 +1,17 @@
 """The scorer: requests -> scoring plans -> batched forwards -> P_mem, P_full, rewards.
 
-Planning (tokenisation) runs in a thread per request; forwards run on the batcher's
-worker thread, which reads the current model once per batch, so a weight update never
-changes the weights under a batch that has started.
+Planning (tokenisation) runs in a thread per request, after the request's size (how
+many trajectories or items, how many bytes of text) has been checked against the limits:
+bytes bound the tokens, so an oversized request is refused before any work. Forwards run
+on the batcher's worker thread, which reads the current model once per batch, so a
+weight update never changes the weights under a batch that has started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from mempo.api.engine import ModelInfo
@@ -17,6 +19,8 @@ from mempo.api.scorer import (
     AliasPolicy,
     MemoryScoresRequest,
     MemoryScoresResponse,
+    MemoryTrajectory,
+    ScoreItem,
     ScoreRequest,
     ScoreResponse,
 )
@@ -60,6 +64,7 @@ class ScorerService:
             settings.max_wait_ms / 1000,
             settings.max_queue,
             on_batch=self._observe_batch,
+            max_share=settings.max_batch_share,
         )
 
     @property
@@ -105,6 +110,38 @@ class ScorerService:
                 f"{self.settings.max_request_tokens} (max_request_tokens)"
             )
 
+    def _check_size(
+        self,
+        entries: Sequence[MemoryTrajectory] | Sequence[ScoreItem],
+        texts: Callable[[object], Iterator[str]],
+        field: str,
+        max_entries: int,
+    ) -> None:
+        """413 before tokenising: too many entries, or more text bytes than the token
+        limits could hold at max_text_bytes_per_token."""
+        settings = self.settings
+        if len(entries) > max_entries:
+            raise TooLarge(
+                f"{field}: {len(entries)} exceed the limit of {max_entries} per request "
+                f"(max_{field})"
+            )
+        per_entry = int(settings.max_sequence_tokens * settings.max_text_bytes_per_token)
+        total = 0
+        for i, entry in enumerate(entries):
+            size = text_bytes(texts(entry))
+            if size > per_entry:
+                raise TooLarge(
+                    f"{field}.{i}: {size} bytes of text exceed the limit of {per_entry} "
+                    "(max_sequence_tokens x max_text_bytes_per_token); it was not tokenised"
+                )
+            total += size
+        per_request = int(settings.max_request_tokens * settings.max_text_bytes_per_token)
+        if total > per_request:
+            raise TooLarge(
+                f"{field}: {total} bytes of text exceed the request limit of {per_request} "
+                "(max_request_tokens x max_text_bytes_per_token); it was not tokenised"
+            )
+
     def _policy(self, requested: AliasPolicy | None) -> AliasPolicy:
         return requested or self.settings.alias_policy
 
@@ -128,12 +165,16 @@ class ScorerService:
     # ----------------------------------------------------------------- requests
 
     async def memory_scores(self, request: MemoryScoresRequest) -> MemoryScoresResponse:
+        trajectories = request.trajectories
+        limit = self.settings.max_trajectories
+        self._check_size(trajectories, trajectory_texts, "trajectories", limit)
         plan = await asyncio.to_thread(self.plan_memory_request, request)
         result = await self.batcher.submit(plan.rows)
         results = memory_results(plan, result.logprobs)
         return MemoryScoresResponse(results=results, weight_version=result.weight_version)
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
+        self._check_size(request.items, item_texts, "items", self.settings.max_items)
         plan = await asyncio.to_thread(self.plan_score_request, request)
         result = await self.batcher.submit(plan.rows)
         return ScoreResponse(
@@ -164,3 +205,33 @@ class ScorerService:
             tokenizer_path=loaded.tokenizer_path or loaded.path,
             weight_version=loaded.version,
         )
+
+
+# --------------------------------------------------------------------------- request sizes
+
+
+def text_bytes(texts: Iterator[str]) -> int:
+    """UTF-8 bytes of the strings (ASCII without encoding)."""
+    return sum(len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts)
+
+
+def trajectory_texts(trajectory: object) -> Iterator[str]:
+    assert isinstance(trajectory, MemoryTrajectory)
+    yield from trajectory.questions
+    for aliases in trajectory.answers:
+        yield from aliases
+    for r in trajectory.rounds:
+        yield r.transcript
+        if r.memory is not None:
+            yield r.memory
+
+
+def item_texts(item: object) -> Iterator[str]:
+    assert isinstance(item, ScoreItem)
+    if isinstance(item.context, str):
+        yield item.context
+    else:
+        for message in item.context:
+            yield message.role
+            yield message.content
+    yield from item.answers

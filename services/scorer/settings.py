@@ -57,6 +57,21 @@ class ScorerSettings(ServiceSettings):
     max_request_tokens: int = Field(default=1_048_576, ge=16)
     """Tokens of one request, all its trajectories or items together; more: 413."""
 
+    max_trajectories: int = Field(default=1024, ge=1)
+    """Trajectories of one /v1/memory-scores request (a task's group: n <= 1024); more: 413."""
+
+    max_items: int = Field(default=4096, ge=1)
+    """Items of one /v1/score request; more: 413."""
+
+    max_text_bytes_per_token: float = Field(default=16.0, ge=1.0)
+    """A trajectory or item whose strings hold more than max_sequence_tokens x this many
+    UTF-8 bytes, or a request with more than max_request_tokens x this many, is refused
+    (413) before it is tokenised: it could not fit (real text has a few bytes per token)."""
+
+    max_batch_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    """Fair batching: while others wait, one request takes at most this share of a batch's
+    max_batch_tokens per turn; its remaining rows queue behind the other requests' turns."""
+
     redis_url: str | None = None
     """Redis to register with (role scorer) and to read the policy pointer from. Unset: none."""
 

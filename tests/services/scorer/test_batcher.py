@@ -28,6 +28,7 @@ class Recorder:
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.batches: list[int] = []
+        self.tags: list[list[int]] = []  # each batch's rows' tags
         self.gate = gate
         self.started = threading.Event()
 
@@ -36,6 +37,7 @@ class Recorder:
         if self.gate is not None:
             self.gate.wait(10)
         self.batches.append(len(rows))
+        self.tags.append([r.trunk[0] for r in rows])
         return {(i, 1): [float(r.trunk[0])] for i, r in enumerate(rows)}, "v7"
 
 
@@ -105,3 +107,70 @@ async def test_a_failing_batch_fails_its_requests_only() -> None:
         assert (await batcher.submit(_rows(2))).logprobs == {(0, 1): [0.0]}
     finally:
         batcher.stop()
+
+
+def _tagged(n: int, tokens: int = 4) -> list[Row]:
+    """n rows; row i echoes i (Recorder returns each row's first trunk token)."""
+    return [_rows(i, tokens=tokens)[0] for i in range(n)]
+
+
+async def test_a_huge_request_does_not_starve_a_small_one() -> None:
+    gate = threading.Event()
+    run = Recorder(gate)
+    # 4 tokens a row; a batch 40; while others wait, a turn takes 10 (2 rows)
+    batcher = Batcher(run, max_batch_tokens=40, max_wait_s=0.0, max_queue=8, max_share=0.25)
+    batcher.start()
+    finished: list[str] = []
+    try:
+        big = asyncio.ensure_future(batcher.submit(_tagged(200)))
+        big.add_done_callback(lambda _: finished.append("big"))
+        assert await asyncio.to_thread(run.started.wait, 5)  # the big one's first batch runs
+        small = asyncio.ensure_future(batcher.submit(_rows(999)))
+        small.add_done_callback(lambda _: finished.append("small"))
+        while batcher.depth < 2:
+            await asyncio.sleep(0.001)
+        gate.set()
+        assert (await small).logprobs == {(0, 1): [999.0]}
+        result = await big
+        await asyncio.sleep(0)  # let the done callbacks run
+        turn = next(i for i, tags in enumerate(run.tags) if 999 in tags)
+        assert turn == 1 and run.tags[1][:3] == [10, 11, 999]  # the next turn, not 200 rows later
+    finally:
+        gate.set()
+        batcher.stop()
+    assert result.logprobs == {(i, 1): [float(i)] for i in range(200)}  # its own rows, in order
+    assert finished == ["small", "big"] and max(run.batches) <= 10  # no batch over budget
+
+
+async def test_a_request_spanning_two_weight_versions_is_rerun_on_one() -> None:
+    versions = iter(["v1", "v2", "v2", "v2", "v2", "v2", "v2"])
+
+    def run(rows: Sequence[Row]) -> tuple[LogProbTable, str]:
+        return {(i, 1): [float(r.trunk[0])] for i, r in enumerate(rows)}, next(versions)
+
+    batcher = Batcher(run, max_batch_tokens=8, max_wait_s=0.0, max_queue=4)
+    batcher.start()
+    try:
+        result = await batcher.submit(_tagged(4))  # two rows a batch: v1, v2 -> rerun
+    finally:
+        batcher.stop()
+    assert result.weight_version == "v2"
+    assert result.logprobs == {(i, 1): [float(i)] for i in range(4)}
+
+
+async def test_the_rest_of_a_cancelled_request_is_dropped() -> None:
+    gate = threading.Event()
+    run = Recorder(gate)
+    batcher = Batcher(run, max_batch_tokens=8, max_wait_s=0.0, max_queue=4)
+    batcher.start()
+    try:
+        gone = asyncio.ensure_future(batcher.submit(_tagged(50)))
+        assert await asyncio.to_thread(run.started.wait, 5)
+        gone.cancel()  # the client went away
+        await asyncio.sleep(0)
+        gate.set()
+        assert (await batcher.submit(_rows(3))).logprobs == {(0, 1): [3.0]}
+    finally:
+        gate.set()
+        batcher.stop()
+    assert sum(run.batches) <= 2 + 2 + 1  # its running batch, maybe one more, the next job

@@ -1,0 +1,110 @@
+"""The scorer refuses work by size before doing it, and strings that are not valid Unicode
+(a lone surrogate, which JSON can spell) are 422s naming the field, never 500s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .conftest import AppClient
+
+TRAJECTORY: dict[str, Any] = {
+    "questions": ["Where was Bothi born?"],
+    "answers": [["Dostania"]],
+    "rounds": [{"memory": "Q1: ?", "transcript": "<mem>Q1: ?</mem>\n<search>Bothi</search>"}],
+}
+ITEM: dict[str, Any] = {"context": "Bothi was born in", "answers": ["Dostania"]}
+
+# JSON spelled by hand: json.dumps would refuse to write a lone surrogate into a body
+SURROGATES: list[tuple[str, str, str]] = [
+    ("/v1/score", '{"items": [{"context": "a\\ud800", "answers": ["x"]}]}', "items.0.context"),
+    (
+        "/v1/score",
+        '{"items": [{"context": [{"role": "user", "content": "\\udc00"}], "answers": ["x"]}]}',
+        "items.0.context",
+    ),
+    ("/v1/score", '{"items": [{"context": "ok", "answers": ["\\ud83d"]}]}', "items.0.answers.0"),
+    (
+        "/v1/memory-scores",
+        '{"questions": ["q\\ud800"], "answers": [["a"]], '
+        '"rounds": [{"memory": null, "transcript": "t"}]}',
+        "trajectories.0.questions.0",
+    ),
+    (
+        "/v1/memory-scores",
+        '{"questions": ["q"], "answers": [["a"]], '
+        '"rounds": [{"memory": "\\udfff", "transcript": "t"}]}',
+        "trajectories.0.rounds.0.memory",
+    ),
+    (
+        "/v1/memory-scores",
+        '{"trajectories": [{"questions": ["q"], "answers": [["a\\ud800"]], '
+        '"rounds": [{"memory": null, "transcript": "t\\ud800"}]}]}',
+        "trajectories.0.answers.0.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "field"), SURROGATES)
+async def test_lone_surrogates_are_422_naming_the_field(
+    app_client: AppClient, path: str, raw: str, field: str
+) -> None:
+    async with app_client() as client:
+        resp = await client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code == 422, resp.text
+        assert field in resp.json()["message"] and "surrogate" in resp.json()["message"]
+        # a valid surrogate pair (an emoji, as json.dumps escapes it) is fine
+        pair = '{"items": [{"context": "smile \\ud83d\\ude00", "answers": ["x"]}]}'
+        ok = await client.post("/v1/score", content=pair, headers={"content-type": "application/json"})
+        assert ok.status_code == 200, ok.text
+
+
+async def test_text_over_the_byte_limits_is_refused_before_tokenising(
+    app_client: AppClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with app_client(max_sequence_tokens=64, max_request_tokens=256) as client:
+        scorer = client.app.state.scorer  # type: ignore[attr-defined]
+        planned: list[str] = []
+        def counted(name: str) -> Any:
+            original = getattr(scorer, name)
+
+            def plan(request: Any) -> Any:
+                planned.append(name)
+                return original(request)
+
+            return plan
+
+        for name in ("plan_memory_request", "plan_score_request"):
+            monkeypatch.setattr(scorer, name, counted(name))
+        long_round = {"memory": "m", "transcript": "x" * (64 * 16)}  # 16 bytes a token
+        one = {**TRAJECTORY, "rounds": [long_round]}
+        resp = await client.post("/v1/memory-scores", json=one)
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["message"].startswith("trajectories.0:") and "bytes" in resp.json()["message"]
+        items = {"items": [{"context": "\u00e9" * 600, "answers": ["x"]}]}  # 1200 bytes > 1024
+        resp = await client.post("/v1/score", json=items)
+        assert resp.status_code == 413 and "items.0" in resp.json()["message"]
+        many = {"items": [{"context": "y" * 900, "answers": ["x"]}] * 5}  # 4500 > 256 x 16
+        resp = await client.post("/v1/score", json=many)
+        assert resp.status_code == 413 and "request limit" in resp.json()["message"]
+        assert planned == []  # none of them was tokenised
+        assert (await client.post("/v1/score", json={"items": [ITEM]})).status_code == 200
+        assert planned == ["plan_score_request"]
+
+
+async def test_entries_per_request_are_capped(app_client: AppClient) -> None:
+    async with app_client(max_trajectories=3, max_items=2) as client:
+        resp = await client.post("/v1/memory-scores", json={"trajectories": [TRAJECTORY] * 4})
+        assert resp.status_code == 413 and "max_trajectories" in resp.json()["message"]
+        resp = await client.post("/v1/score", json={"items": [ITEM] * 3})
+        assert resp.status_code == 413 and "max_items" in resp.json()["message"]
+        ok = await client.post("/v1/memory-scores", json={"trajectories": [TRAJECTORY] * 3})
+        assert ok.status_code == 200 and len(ok.json()["results"]) == 3
+
+
+async def test_the_token_limit_still_applies_within_the_byte_limit(app_client: AppClient) -> None:
+    async with app_client(max_sequence_tokens=64, max_text_bytes_per_token=1000.0) as client:
+        long_round = {"memory": "m", "transcript": "word " * 200}
+        resp = await client.post("/v1/memory-scores", json={**TRAJECTORY, "rounds": [long_round]})
+        assert resp.status_code == 413 and "tokens" in resp.json()["message"]
