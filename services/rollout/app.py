@@ -15,6 +15,7 @@ from mempo.api.rollout import EpisodesRequest, WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.clients.retrieval import RetrievalError
 from mempo.clients.scorer import ScorerError
+from mempo.disconnects import cancel_on_disconnect
 from mempo.keys import Keys
 from mempo.queue import RedisQueue, connect
 from mempo.retry import RetryableStatus
@@ -26,6 +27,7 @@ from mempo.service import (
     Metrics,
     NotReady,
     ServiceError,
+    TooLarge,
     Upstream,
     install_common,
 )
@@ -150,10 +152,20 @@ def create_app(
         tags=["rollout"],
         responses={502: {"model": ErrorBody}, 503: {"model": ErrorBody}},
     )
-    async def episodes(body: EpisodesRequest, worker: WorkerDep) -> Group:
-        """Run one task's n episodes now and return its Group (not published to Redis)."""
+    async def episodes(body: EpisodesRequest, worker: WorkerDep, request: Request) -> Group:
+        """Run one task's n episodes now and return its Group (not published to Redis).
+        task.n and task.max_rounds are capped (413 beyond); a client that disconnects
+        cancels its episodes."""
+        task = body.task
+        for field, value, cap in (
+            ("n", task.n, settings.episodes_max_n),
+            ("max_rounds", task.max_rounds, settings.episodes_max_rounds),
+        ):
+            if value > cap:
+                limit = f"the limit of {cap} (episodes_max_{field})"
+                raise TooLarge(f"task.{field}: {value} exceeds {limit}")
         try:
-            return await worker.run_task(body.task, score=body.score)
+            return await cancel_on_disconnect(request, worker.run_task(task, score=body.score))
         except NotBooted as exc:
             raise NotReady(f"the worker is not ready: {exc}") from exc
         except UPSTREAM_ERRORS as exc:

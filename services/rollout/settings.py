@@ -110,6 +110,13 @@ class WorkerSettings(ServiceSettings):
     consume: bool = True
     """Run the Redis consumer loop (false: serve /v1/episodes only)."""
 
+    episodes_max_n: int = Field(default=64, ge=1)
+    """Episodes (task.n) one POST /v1/episodes may ask for; more: 413. Tasks from the queue
+    are not capped (the learner writes them)."""
+
+    episodes_max_rounds: int = Field(default=64, ge=1)
+    """task.max_rounds one POST /v1/episodes may ask for; more: 413."""
+
     def engine_admin_token_value(self) -> str | None:
         return self.engine_admin_token.get_secret_value() if self.engine_admin_token else None
 
