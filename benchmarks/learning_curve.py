@@ -12,7 +12,7 @@ Through the real commands and services, with a fixed seed:
    same ``<mem>`` format), then eval.
 
 ``--mem-min-std`` passes ``mempo up --mem-min-std`` to the MemPO run (pools whose
-P_mem - P_full std is below it get no memory advantage; default 0, DESIGN.md's A_M).
+P_mem - P_full std is below it get no memory advantage; default mempo.advantages.MEM_MIN_STD).
 
 Prints one JSON line {"sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem",
 "grpo_p_mem", "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes", ...}
@@ -41,6 +41,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from mempo.advantages import MEM_MIN_STD
 from mempo.launcher.plots import read_metrics
 from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
 
@@ -136,8 +137,8 @@ def main() -> None:
     parser.add_argument("--batch-groups", type=int, default=4)
     parser.add_argument("--eval-tasks", type=int, default=30, help="held-out tasks per number of questions")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mem-min-std", type=float, default=0.0,
-                        help="memory-advantage pools with a smaller std get none (0: DESIGN.md's definition)")
+    parser.add_argument("--mem-min-std", type=float, default=MEM_MIN_STD,
+                        help="memory-advantage pools with a smaller std get none (0: only zero-variance ones)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[learning-curve] %(message)s")  # pretraining progress
     lo, _, hi = args.questions.partition("-")

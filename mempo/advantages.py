@@ -15,6 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# The default memory-advantage guard (DESIGN.md section 1: pools whose spread is noise
+# must not drive the <mem> tokens). R_M = P_mem - P_full lies in [-1, 1]. A policy that
+# cannot answer has every P near 0 and pools whose std is about 0.01 (measured,
+# docs/results.md); a pool where some memories hold the answer and others do not has P_mem
+# values apart by tenths and a std far above 0.05. Below it, A_M is 0; above it, the
+# definition is unchanged.
+MEM_MIN_STD = 0.05
+
 
 def _group_normalize(
     values: Tensor, ids: Tensor, eps: float, norm_by_std: bool, min_std: float = 0.0
@@ -62,14 +70,15 @@ def grpo_outcome_advantage(
 
 
 def memory_advantage(
-    mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6, min_std: float = 0.0
+    mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6, min_std: float = MEM_MIN_STD
 ) -> Tensor:
     """A_M(i,t) = (R_M(i,t) - mean_pool) / (std_pool + eps), R_M = P_mem - P_full.
 
-    ``min_std`` > 0 (an option; 0 is DESIGN.md's definition) extends the zero-variance
-    rule: a pool whose std is below it gets advantage 0. A policy that rarely knows the
-    answer has P_mem - P_full values that differ by noise (all P ~ 0.01), which the
-    normalisation would turn into unit-scale advantages. Measured in docs/results.md.
+    ``min_std`` extends the zero-variance rule: a pool whose std is below it gets
+    advantage 0 (``MEM_MIN_STD`` by default; 0 leaves only the zero-variance rule). A
+    policy that rarely knows the answer has P_mem - P_full values that differ by noise
+    (all P ~ 0.01), which the normalisation would turn into unit-scale advantages that
+    make the policy drift (measured in docs/results.md).
 
     Args:
         mem_rewards: (K,) memory reward of each (trajectory, round) with a memory.

@@ -92,7 +92,7 @@ def up(
     lr: Annotated[float | None, typer.Option(help="learning rate (default: the trainer's)")] = None,
     alpha: Annotated[float | None, typer.Option(help="memory advantage weight; 0 = plain GRPO")] = None,
     mem_min_std: Annotated[
-        float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0)")
+        float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0.05)")
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),

@@ -27,7 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mempo.advantages import grpo_outcome_advantage, memory_advantage, token_advantages
+from mempo.advantages import (
+    MEM_MIN_STD,
+    grpo_outcome_advantage,
+    memory_advantage,
+    token_advantages,
+)
 from mempo.schemas import Group, Trajectory
 
 
@@ -214,7 +219,7 @@ def build_batch(
     alpha: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
-    mem_min_std: float = 0.0,
+    mem_min_std: float = MEM_MIN_STD,
 ) -> TrainingBatch:
     """Groups -> sequences, per-token advantages (A_T + alpha * A_M on <mem> tokens)."""
     if not groups:

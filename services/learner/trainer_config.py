@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mempo.advantages import MEM_MIN_STD
 from mempo.losses import AggMode, KLKind
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -86,11 +87,11 @@ class TrainerConfig(BaseModel):
     alpha: float = Field(default=1.0, ge=0)
     """Weight of MemPO's memory advantage on <mem> tokens; 0 gives plain GRPO."""
 
-    mem_min_std: float = Field(default=0.0, ge=0)
+    mem_min_std: float = Field(default=MEM_MIN_STD, ge=0)
     """A memory-advantage pool whose P_mem - P_full std is below this gets no memory
-    advantage (0: DESIGN.md's definition, only zero variance does). Keeps the noise of a
-    policy that rarely knows the answer from becoming unit-scale advantages; see
-    docs/results.md."""
+    advantage (0: only a zero-variance pool gets none). Keeps the noise of a policy that
+    rarely knows the answer from becoming unit-scale advantages; see
+    mempo.advantages.MEM_MIN_STD and docs/results.md."""
 
     norm_by_std: bool = True
     """Divide the outcome advantage by the group's std (False: Dr.GRPO, centred reward only)."""

@@ -76,8 +76,8 @@ def test_memory_advantage_matches_reference(seed: int, min_std: float) -> None:
 def test_min_std_silences_only_noise_scale_pools() -> None:
     noise, signal = [0.01, 0.0, -0.01], [0.6, 0.0, -0.6]  # std 0.01 and 0.6
     ids = torch.tensor([0, 0, 0, 1, 1, 1])
-    plain = memory_advantage(torch.tensor(noise + signal), ids)
-    gated = memory_advantage(torch.tensor(noise + signal), ids, min_std=0.1)
+    plain = memory_advantage(torch.tensor(noise + signal), ids, min_std=0.0)
+    gated = memory_advantage(torch.tensor(noise + signal), ids)  # the default guard
     assert plain[:3].tolist() == pytest.approx([1.0, 0.0, -1.0], abs=1e-3)  # noise made unit
     assert gated[:3].tolist() == [0.0, 0.0, 0.0]
     assert gated[3:].tolist() == pytest.approx(plain[3:].tolist())  # std above min_std
