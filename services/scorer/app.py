@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mempo.api.engine import ModelInfo, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from mempo.api.scorer import MemoryScoresRequest, MemoryScoresResponse, ScoreRequest, ScoreResponse
+from mempo.disconnects import cancel_on_disconnect
 from mempo.service import AdminDep, ErrorBody, Forbidden, Metrics, inside_root, install_common
 from mempo.settings import quiet_hub
 from mempo.weights import WeightsOutsideRoot
@@ -39,15 +40,18 @@ router = APIRouter()  # declarative routes; every resource comes from app.state
 @router.post(
     "/v1/memory-scores", response_model=MemoryScoresResponse, responses=ERRORS, tags=["scoring"]
 )
-async def memory_scores(body: MemoryScoresRequest, scorer: ScorerDep) -> MemoryScoresResponse:
-    """P_mem, P_full and R_M = P_mem - P_full for every round of one or many trajectories."""
-    return await scorer.memory_scores(body)
+async def memory_scores(
+    body: MemoryScoresRequest, scorer: ScorerDep, request: Request
+) -> MemoryScoresResponse:
+    """P_mem, P_full and R_M = P_mem - P_full for every round of one or many trajectories.
+    A client that disconnects has the rest of its rows dropped from the batches."""
+    return await cancel_on_disconnect(request, scorer.memory_scores(body))
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, tags=["scoring"])
-async def score(body: ScoreRequest, scorer: ScorerDep) -> ScoreResponse:
+async def score(body: ScoreRequest, scorer: ScorerDep, request: Request) -> ScoreResponse:
     """Log-prob sum, mean, token count and P of the best (or first) answer alias per item."""
-    return await scorer.score(body)
+    return await cancel_on_disconnect(request, scorer.score(body))
 
 
 @router.post(

@@ -1,11 +1,21 @@
-"""The scorer refuses work by size before doing it, and strings that are not valid Unicode
-(a lone surrogate, which JSON can spell) are 422s naming the field, never 500s."""
+"""The scorer refuses work by size before doing it, drops the rest of a request whose
+client left, and strings that are not valid Unicode (a lone surrogate, which JSON can
+spell) are 422s naming the field, never 500s."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
+
+from mempo.procs import free_port
+from services.scorer.app import create_app
+from services.scorer.model import LoadedModel
+from services.scorer.settings import ScorerSettings
 
 from .conftest import AppClient
 
@@ -108,3 +118,36 @@ async def test_the_token_limit_still_applies_within_the_byte_limit(app_client: A
         long_round = {"memory": "m", "transcript": "word " * 200}
         resp = await client.post("/v1/memory-scores", json={**TRAJECTORY, "rounds": [long_round]})
         assert resp.status_code == 413 and "tokens" in resp.json()["message"]
+
+
+async def test_a_client_that_leaves_has_the_rest_of_its_rows_dropped(loaded: LoadedModel) -> None:
+    settings = ScorerSettings(max_wait_ms=1.0, max_batch_tokens=256)
+    app = create_app(settings, loaded=loaded)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    served = asyncio.create_task(server.serve())
+    batches: list[int] = []
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        batcher = app.state.scorer.batcher
+        real = batcher.run_rows
+
+        def slow(rows: Any) -> Any:
+            batches.append(len(rows))
+            time.sleep(0.2)
+            return real(rows)
+
+        batcher.run_rows = slow
+        body = {"trajectories": [TRAJECTORY] * 100}  # a few rows a batch: 20+ batches
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/memory-scores", json=body, timeout=httpx.Timeout(10, read=0.3))
+        await asyncio.sleep(1.5)
+        seen = len(batches)
+        await asyncio.sleep(0.6)
+        assert len(batches) == seen and sum(batches) < 60, batches  # it stopped early
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(served, 30)
