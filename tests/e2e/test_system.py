@@ -40,10 +40,11 @@ def test_every_engine_and_the_scorer_end_at_the_learners_version(finished: Syste
     status = s.status()
     assert (status["step"], status["version"]) == (STEPS, STEPS)
     assert status["error"] is None
-    # The learner pushed the last version to every registered engine and the scorer ...
+    # The learner pushed the last version to the scorer and, through every replica's
+    # worker (never the engine itself), to every engine ...
     publish = status["last_publish"]
     assert publish["version"] == STEPS and publish["stale"] == {}
-    assert sorted(publish["updated"]) == sorted([s.ends.scorer, *s.ends.engines])
+    assert sorted(publish["updated"]) == sorted([s.ends.scorer, *s.ends.workers])
     # ... and every one of them serves it now (each worker syncs its engine too).
     s.wait(
         "every engine and the scorer at the learner's version",
