@@ -2,7 +2,7 @@
 
 Through the real commands and services, with a fixed seed:
 
-1. SFT warm start (``mempo sft``) of the tiny policy (preset ``small``: pretrained,
+1. SFT warm start (``mempo sft``) of the tiny policy (preset ``reader``: pretrained,
    cached) on oracle trajectories of 8 worlds (memory mode; ``--sft-mode both`` adds full);
 2. eval of the SFT policy (``mempo eval``) on held-out tasks (test split: entities the
    training never asked about), memory mode and full mode, with P_mem scored;
@@ -82,7 +82,7 @@ def train(name: str, sft: Path, alpha: float, args: argparse.Namespace) -> tuple
                              "--steps", str(args.rl_steps), "--alpha", str(alpha), "--lr", str(args.rl_lr),
                              "--questions", args.questions, "--group-size", str(args.group_size),
                              "--batch-groups", str(args.batch_groups), "--seed", str(args.seed),
-                             "--mem-min-std", str(args.mem_min_std), "--no-display"])  # fmt: skip
+                             "--mem-min-std", str(args.mem_min_std), "--no-heldout", "--no-display"])  # fmt: skip
         version = max(int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit())
         summary.write_text(json.dumps({"minutes": minutes, "version": version}))
     done = json.loads(summary.read_text())
@@ -124,7 +124,7 @@ def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/learning-curve"))
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="reader")
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--sft-tasks", type=int, default=128, help="oracle tasks per number of questions and world")
     parser.add_argument("--sft-mode", default="memory", choices=["memory", "both"],

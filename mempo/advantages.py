@@ -131,3 +131,23 @@ def token_advantages(
         bonus = alpha * span_advantages.to(torch.float32)[:, None] * inside  # (S, L)
         adv.index_add_(0, span_sequence.long(), bonus)
     return adv * mask
+
+
+def scale_negative(advantages: Tensor, scale: float) -> Tensor:
+    """Multiply every negative advantage by ``scale``; positive and zero ones are unchanged.
+
+    ``scale`` = 1 is the definition (DESIGN.md section 1). A tiny policy that succeeds on
+    10-20% of rollouts gives most of them a negative advantage; pushing down tokens sampled
+    at T=1 spreads probability mass onto garbage and the policy drifts. Scaling negative
+    advantages by 0.2 kept it stable (measured in issue 23, docs/results.md).
+
+    Args:
+        advantages: any shape, e.g. (N, L) per-token or (K,) trained-token advantages.
+        scale: in (0, 1].
+    Returns:
+        float32 tensor of the same shape.
+    """
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1] (got {scale})")
+    adv = advantages.to(torch.float32)
+    return torch.where(adv < 0, adv * scale, adv)

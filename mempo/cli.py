@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -44,7 +44,7 @@ def fail(message: str) -> None:
 @tiny_app.command("build")
 def tiny_build(
     out: Annotated[Path, typer.Option(help="output folder (HF format)")],
-    preset: Annotated[str, typer.Option(help="test | small")] = "test",
+    preset: Annotated[str, typer.Option(help="test (random weights, seconds) | reader (reading drills, about 2 minutes)")] = "test",
     seed: Annotated[int, typer.Option(help="weight initialisation seed")] = 0,
 ) -> None:
     """Build the tiny model and tokenizer locally (no download)."""
@@ -64,12 +64,15 @@ def tiny_build(
 def world_corpus(
     out: Annotated[Path, typer.Option(help="jsonl file to write (wiki-18 format)")],
     seed: Annotated[int, typer.Option()] = 0,
-    people: Annotated[int, typer.Option(min=1)] = 200,
+    people: Annotated[int, typer.Option(min=1, help="people (with the default 46 other entities, 254 at most)")] = 80,
 ) -> None:
     """Write the world's passages as wiki-18 style jsonl."""
     from mempo.world import World, WorldConfig
 
-    world = World.generate(WorldConfig(seed=seed, people=people))
+    try:
+        world = World.generate(WorldConfig(seed=seed, people=people))
+    except ValueError as exc:  # more entities than the name pool holds
+        fail(str(exc))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for passage in world.passages:
@@ -79,26 +82,35 @@ def world_corpus(
 
 @app.command("up")
 def up(
-    steps: Annotated[int, typer.Option(min=1, help="training steps to run")] = 20,
+    steps: Annotated[int, typer.Option(min=1, help="training steps to run")] = 30,
     rollout_replicas: Annotated[int, typer.Option(min=1, max=16, help="CPU engine + worker pairs")] = 1,
     name: Annotated[str | None, typer.Option(help="run name: runs/<name>/ (default: a timestamp)")] = None,
     model: Annotated[Path | None, typer.Option(help="policy (HF folder); default: the tiny model, SFT warm-started")] = None,
-    questions: Annotated[str, typer.Option(help='questions per task: "2", "1,2,4" or "1-3"')] = "1-2",
+    questions: Annotated[str, typer.Option(help='questions per task: "2", "1,2,4" or "1-3"')] = "1",
     group_size: Annotated[int, typer.Option(min=2, help="rollouts per task (GRPO group)")] = 8,
-    batch_groups: Annotated[int, typer.Option(min=1, help="groups per training step")] = 4,
+    batch_groups: Annotated[int, typer.Option(min=1, help="groups per training step")] = 8,
     mode: Annotated[str, typer.Option(help="memory (MemPO) | full (full-history baseline)")] = "memory",
     max_rounds: Annotated[int, typer.Option(min=1)] = 6,
     max_staleness: Annotated[int, typer.Option(min=0, help="0: fully on-policy")] = 1,
-    lr: Annotated[float | None, typer.Option(help="learning rate (default: the trainer's)")] = None,
-    alpha: Annotated[float | None, typer.Option(help="memory advantage weight; 0 = plain GRPO")] = None,
+    lr: Annotated[float, typer.Option(min=0, help="learning rate, constant after --warmup-steps")] = 3e-4,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="optimizer steps of linear warmup")] = 0,
+    alpha: Annotated[float, typer.Option(min=0, help="memory advantage weight: 0 = plain GRPO, 1 = MemPO")] = 0.0,
     mem_min_std: Annotated[
         float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0.05)")
     ] = None,
+    neg_adv_scale: Annotated[
+        float, typer.Option(min=0, max=1, help="negative advantages are multiplied by this (1: unchanged)")
+    ] = 0.2,
+    heldout: Annotated[bool, typer.Option(help="score every held-out question before and after RL (greedy)")] = True,
     seed: Annotated[int, typer.Option()] = 0,
     runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),
     display: Annotated[bool, typer.Option(help="live progress (a table on a terminal)")] = True,
 ) -> None:
-    """Run the whole training loop on this machine (CPU, no set-up), then plot it."""
+    """Run the whole training loop on this machine (CPU, no set-up), then plot it.
+
+    The defaults are the recipe that learns on the tiny model (docs/results.md): plain
+    GRPO (--alpha 1 for MemPO's memory advantage) on 1-question tasks, 8 groups of 8
+    rollouts a step, negative advantages scaled by 0.2, 30 steps."""
     import time
 
     from mempo.launcher.up import UpOptions, run_up
@@ -108,29 +120,64 @@ def up(
         fail(f"--mode must be memory or full (got {mode!r})")
     if model is not None and not (model / "config.json").exists():
         fail(f"--model {model} is not an HF model folder (no config.json)")
+    if neg_adv_scale <= 0:
+        fail("--neg-adv-scale must be above 0")
     quiet_hub()
     configure_logging("WARNING")
     opts = UpOptions(
         name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
-        lr=lr, alpha=alpha, mem_min_std=mem_min_std, seed=seed, display=display,
+        lr=lr, warmup_steps=warmup_steps, alpha=alpha, mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale,
+        seed=seed, display=display,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart())
     try:
-        final = run_up(opts, policy)
+        start = _heldout(policy, opts.run_dir / "heldout-start", cached=model is None) if heldout else None
+        heading = f"held-out EM before RL: {start.em:.3f} ({start.questions} questions, greedy)" if start else ""
+        final = run_up(opts, policy, heading)
+        end = _heldout(opts.run_dir.resolve() / "weights" / f"v{final.get('version')}",
+                       opts.run_dir / "heldout-end", cached=False) if heldout else None
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo(f"interrupted; services stopped. Logs: {opts.run_dir / 'logs'}", err=True)
         raise typer.Exit(130) from None
+    report = _up_report(opts, final, start, end)
+    typer.echo(json.dumps(report, indent=1))
+
+
+def _heldout(policy: Path, out: Path, cached: bool) -> Any:
+    """The held-out score of ``policy`` (cached in its folder when ``cached``), shown."""
+    from mempo.launcher.heldout import cached_heldout_score, heldout_score
+
+    if not (policy / "config.json").exists():
+        raise RuntimeError(f"no policy to score at {policy}")
+    typer.echo(f"[mempo] held-out check of {policy} (every held-out question, greedy)", err=True)
+    score = (cached_heldout_score if cached else heldout_score)(policy, out)
+    typer.echo(f"[mempo] held-out EM {score.em:.3f} on {score.questions} questions (format {score.format_rate:.2f})",
+               err=True)  # fmt: skip
+    return score
+
+
+def _up_report(opts: Any, final: dict[str, Any], start: Any, end: Any) -> dict[str, Any]:
+    """Write the run's heldout.json and plots; the final JSON of ``mempo up``."""
+    from dataclasses import asdict
+
+    from mempo.launcher.plots import plot_run
+
+    if start is not None and end is not None:
+        heldout = {"start": asdict(start), "end": asdict(end), "end_step": final.get("step")}
+        (opts.run_dir / "heldout.json").write_text(json.dumps(heldout, indent=1))
     metrics = final.get("last_metrics") or {}
-    typer.echo(json.dumps({
+    return {
         "run": str(opts.run_dir), "steps": final.get("step"), "version": final.get("version"),
         "wall_s": final.get("wall_s"), "reward": metrics.get("reward_mean"), "em": metrics.get("correct_rate"),
-        "metrics": str(opts.run_dir / "metrics.jsonl"), "plots": final.get("plots"),
-    }, indent=1))  # fmt: skip
+        "heldout_em_start": start.em if start else None, "heldout_em_end": end.em if end else None,
+        "metrics": str(opts.run_dir / "metrics.jsonl"),
+        "plots": [str(p) for p in plot_run(opts.run_dir / "metrics.jsonl", opts.run_dir)],
+    }  # fmt: skip
 
 
 @app.command("plot")
@@ -155,6 +202,9 @@ def evaluate_cmd(
     model: Annotated[Path, typer.Option(help="policy to evaluate (HF folder, e.g. runs/<name>/weights/v20)")],
     ks: Annotated[str, typer.Option(help="questions per task, comma separated")] = "1,2,4,6,8,10",
     tasks: Annotated[int, typer.Option(min=1, help="held-out tasks per number of questions")] = 20,
+    every_question: Annotated[
+        bool, typer.Option(help="--ks 1 only: every distinct held-out question once, instead of --tasks drawn")
+    ] = False,
     modes: Annotated[str, typer.Option(help="memory,full | memory | full")] = "memory,full",
     score: Annotated[bool, typer.Option(help="also report P_mem / P_full (starts the scorer)")] = False,
     out: Annotated[Path | None, typer.Option(help="folder for eval.json, eval.png and logs")] = None,
@@ -178,13 +228,16 @@ def evaluate_cmd(
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not k_list or min(k_list) < 1 or not mode_list or set(mode_list) - {"memory", "full"}:
         fail("--ks needs positive integers and --modes memory and/or full")
+    if every_question and k_list != [1]:
+        fail(f"--every-question evaluates 1-question tasks: give --ks 1 (got {ks!r})")
     if engine_url is not None and not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url must be an http:// or https:// URL (got {engine_url!r})")
     quiet_hub()
     configure_logging("WARNING")
     out = out or model.resolve().parent / f"eval-{model.name}"
     engine = engine_url.rstrip("/") if engine_url else None
-    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine)
+    opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine,
+                       every_question=every_question)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed

@@ -1,9 +1,11 @@
 """The words the synthetic world (mempo/world.py) is written with.
 
-Invented names are made of ``SYLLABLES``; the tiny model's tokenizer (mempo/tiny.py)
-learns the syllables rather than whole names (``name_syllables`` splits one back), so a
-held-out name is still spelled with tokens the policy was trained to write. The rest is
-the vocabulary of professions, organisations and background sentences.
+Every entity is one word of ``NAMES``: a fixed pool of invented two-syllable names,
+shared by every world (each world draws its entities from it without replacement). The
+tiny model's tokenizer (mempo/tiny.py) makes each pool name one token, so a name token
+is trained in many worlds with different facts, a held-out entity is written with
+trained tokens, and reading an answer out of a search result is copying one token. The
+rest is the vocabulary of professions, organisations and background sentences.
 """
 
 from __future__ import annotations
@@ -11,132 +13,27 @@ from __future__ import annotations
 import random
 
 SYLLABLES = [
-    "ka",
-    "ri",
-    "zor",
-    "van",
-    "mel",
-    "dro",
-    "thi",
-    "sel",
-    "ul",
-    "bar",
-    "nek",
-    "osk",
-    "fen",
-    "qua",
-    "lor",
-    "mi",
-    "tas",
-    "ven",
-    "gra",
-    "hol",
-    "pir",
-    "ed",
-    "yun",
-    "cal",
-    "dex",
-    "ro",
-    "sa",
-    "tum",
-    "lek",
-    "viv",
-    "aur",
-    "bo",
-    "nim",
-    "har",
-    "sut",
-    "kel",
-    "ost",
-    "wen",
-    "ja",
-    "fir",
-]
+    "ka", "ri", "zor", "van", "mel", "dro", "thi", "sel", "ul", "bar", "nek", "osk", "fen", "qua", "lor", "mi", "tas", "ven", "gra", "hol", "pir", "ed", "yun", "cal", "dex", "ro", "sa", "tum", "lek", "viv", "aur", "bo", "nim", "har", "sut", "kel", "ost", "wen", "ja", "fir",
+]  # fmt: skip
 
 
-class NameMaker:
-    """Capitalised invented words, each used once in the whole world (no collisions)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-        self.used: set[str] = set()
-
-    def word(self, syllables: int) -> str:
-        for attempt in range(1000):
-            n = syllables + attempt // 50  # grow the word when the short ones run out
-            word = "".join(self.rng.choice(SYLLABLES) for _ in range(n)).capitalize()
-            if word not in self.used and word.lower() not in COMMON_WORDS:
-                self.used.add(word)
-                return word
-        raise RuntimeError("name space exhausted")
+NAME_POOL_SIZE = 300
 
 
-COMMON_WORDS = {
-    "a",
-    "an",
-    "the",
-    "is",
-    "in",
-    "it",
-    "of",
-    "by",
-    "and",
-    "for",
-    "was",
-    "born",
-    "city",
-}
+def _name_pool(size: int = NAME_POOL_SIZE) -> tuple[str, ...]:
+    """``size`` capitalised two-syllable words ("Zorvan"), drawn once with a fixed seed:
+    the same pool on every machine and in every world."""
+    words = sorted({(a + b).capitalize() for a in SYLLABLES for b in SYLLABLES if a != b})
+    words = [w for w in words if w.lower() not in COMMON_WORDS]
+    return tuple(random.Random("mempo-name-pool").sample(words, size))
 
 
-# Longest first, so a name splits into whole syllables; "ia" ends country names.
-NAME_PIECES = sorted({*SYLLABLES, "ia"}, key=lambda p: (-len(p), p))
+# Never a name: words the world's sentences and questions are written with.
+COMMON_WORDS = {"a", "an", "the", "is", "in", "it", "of", "by", "and", "for", "was", "born", "city"}
+NAMES = _name_pool()
 
-
-def name_syllables(word: str) -> list[str] | None:
-    """An invented name word split into the syllables it was made of ("Holbar" ->
-    ["Hol", "bar"]); None for a word that is not made of them. The tiny model's tokenizer
-    learns these pieces instead of whole names."""
-    lower = word.lower()
-    split: list[list[str] | None] = [[]] + [None] * len(lower)  # split[i]: pieces of lower[:i]
-    for i in range(len(lower)):
-        if split[i] is None:
-            continue
-        for piece in NAME_PIECES:
-            if lower.startswith(piece, i) and split[i + len(piece)] is None:
-                split[i + len(piece)] = [*split[i], piece]  # type: ignore[misc]
-    pieces = split[len(lower)]
-    if not pieces:
-        return None
-    out, start = [], 0
-    for piece in pieces:  # back to the word's own capitalisation
-        out.append(word[start : start + len(piece)])
-        start += len(piece)
-    return out
-
-
-PROFESSIONS = [
-    "painter",
-    "engineer",
-    "botanist",
-    "sailor",
-    "weaver",
-    "chemist",
-    "poet",
-    "mason",
-    "judge",
-    "baker",
-]
-ORG_KINDS = [
-    "Guild",
-    "Institute",
-    "Company",
-    "Society",
-    "Academy",
-    "Foundry",
-    "Bank",
-    "Observatory",
-]
-RIVER_SUFFIX = "River"
+PROFESSIONS = ["painter", "engineer", "botanist", "sailor", "weaver", "chemist", "poet", "mason", "judge", "baker"]
+ORG_KINDS = ["guild", "institute", "company", "society", "academy", "foundry", "bank", "observatory"]
 
 # Background sentences: true of the passage's entity but never asked about. They make
 # passages as long as real encyclopedia passages (and the search results as costly to
@@ -153,14 +50,14 @@ FILL = {
 }
 BACKGROUND = {
     "person": [
-        "In spare hours, {first} collects {thing} and plays the {instrument}.",
-        "Friends describe {first} as {trait} and {trait2}.",
-        "{first} spent several years studying {topic}.",
-        "{first} once wrote a long essay about {topic2}.",
-        "As a child, {first} lived near a workshop that made {thing2}.",
-        "In the evenings {first} teaches a small class on {topic} to neighbours.",
-        "Colleagues remember {first} for a {trait} manner and a fondness for {thing}.",
-        "Each {season}, {first} travels to see the {feature} of distant towns.",
+        "In spare hours, {name} collects {thing} and plays the {instrument}.",
+        "Friends describe {name} as {trait} and {trait2}.",
+        "{name} spent several years studying {topic}.",
+        "{name} once wrote a long essay about {topic2}.",
+        "As a child, {name} lived near a workshop that made {thing2}.",
+        "In the evenings {name} teaches a small class on {topic} to neighbours.",
+        "Colleagues remember {name} for a {trait} manner and a fondness for {thing}.",
+        "Each {season}, {name} travels to see the {feature} of distant towns.",
     ],
     "city": [
         "It is known for its {feature} and its {feature2}.",

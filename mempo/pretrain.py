@@ -1,14 +1,16 @@
-"""Language-model pretraining of the tiny model on synthetic worlds' text.
+"""Reading-drill pretraining of the tiny model, on worlds the agent never sees.
 
-A randomly initialised network cannot copy: it has no induction heads (attend to an
-earlier occurrence of the current token, predict what followed it), and an agent needs
-them to carry a name from a search result into its memory and its answer. Real policies
-start from pretrained LMs; this gives the tiny one a start of the same kind: next-token
-prediction on search results and questions of worlds other than the one the agent is
-trained and evaluated on (seeds from 1000), where every passage repeats its entity's
-name. 600 steps (about 5M tokens, 11 minutes on 2 cores) teach it to repeat a name
-already repeated in a passage, not yet to copy one it has read once; docs/results.md
-has the measurements.
+A randomly initialised network cannot copy: it has no induction heads (attend to where
+the current pattern occurred before, predict what followed it), and an agent needs them
+to carry a name from a search result into its memory and its answer. Real policies start
+from pretrained LMs; this gives the tiny one a start of that kind, on worlds other than
+the agent's (seeds from ``FIRST_WORLD``). A drill is a top-3 search result for a random
+entity followed by every 1-hop question about those passages, each with its answer, or
+in the agent's order: ``Question: q``, the documents, ``Answer: a``. Every name is one
+token (mempo/lexicon.py), so answering a drill is one copy; the language-model loss on
+all of it falls 1.4 -> 0.6 in 600 steps, through the "phase change" (near step 350)
+where copying is learnt, and the answer accuracy on drills of the agent's own world
+(``drill_accuracy``) reaches about 0.95 (docs/results.md).
 """
 
 from __future__ import annotations
@@ -38,10 +40,8 @@ def cosine_schedule(warmup_steps: int, steps: int, final_ratio: float) -> Callab
     return factor
 
 
-def pretraining_texts(worlds: int, results_per_world: int = 400, seed: int = 0) -> list[str]:
-    """Search results (Search-R1's format, top-3 for an entity's name) and questions of
-    ``worlds`` worlds, shuffled."""
-    from mempo.agent_format import format_documents
+def drill_texts(worlds: int, drills_per_world: int = 400, seed: int = 0) -> list[str]:
+    """Reading drills of ``worlds`` worlds (seeds ``FIRST_WORLD``, +1, ...), shuffled."""
     from mempo.bm25 import LocalSearch
     from mempo.world import World, WorldConfig
 
@@ -49,13 +49,74 @@ def pretraining_texts(worlds: int, results_per_world: int = 400, seed: int = 0) 
     texts: list[str] = []
     for index in range(worlds):
         world = World.generate(WorldConfig(seed=FIRST_WORLD + index))
-        search = LocalSearch(world.passages)
-        names = list(world.kinds)
-        texts.extend(q.text for q in world.questions)
-        queries = [rng.choice(names) for _ in range(results_per_world)]
-        texts.extend(format_documents(docs) for docs in search.retrieve(queries, 3))
+        texts.extend(world_drills(world, LocalSearch(world.passages), drills_per_world, rng))
     rng.shuffle(texts)
     return texts
+
+
+def world_drills(world: Any, search: Any, count: int, rng: random.Random) -> list[str]:
+    """``count`` drills of one world. Half are in the agent's order: a 1-hop question, the
+    search result for its subject (what the agent's first search returns), the answer.
+    Half list every 1-hop question about the passages of a search result for a random
+    entity after it, each with its answer."""
+    from mempo.agent_format import format_documents
+
+    one_hop: dict[str, list[Any]] = {}
+    for q in world.questions:
+        if q.hops == 1:
+            one_hop.setdefault(q.subject, []).append(q)
+    asked = [q for qs in one_hop.values() for q in qs]
+    questions = [rng.choice(asked) if rng.random() < 0.5 else None for _ in range(count)]
+    queries = [q.subject if q else rng.choice(list(world.kinds)) for q in questions]
+    drills = []
+    for q, docs in zip(questions, search.retrieve(queries, 3), strict=True):
+        information = format_documents(docs)
+        if q is not None:
+            drills.append(f"Question: {q.text}\n{information}\nAnswer: {q.answers[0]}")
+            continue
+        titles = [d.get("document", d)["contents"].split("\n", 1)[0] for d in docs]
+        listed = [q for title in titles for q in one_hop.get(title, [])]
+        rng.shuffle(listed)
+        drills.append(information + "\n" + "".join(f"Question: {q.text}\nAnswer: {q.answers[0]}\n" for q in listed))
+    return drills
+
+
+def drill_accuracy(model: Any, tokenizer: Any, world_seed: int = 0, count: int = 100, seed: int = 0) -> float:
+    """How often the model's most likely next token after ``Answer:`` is the answer, on
+    ``count`` drills in the agent's order from world ``world_seed`` (greedy, one token)."""
+    import torch
+
+    from mempo.bm25 import LocalSearch
+    from mempo.world import World, WorldConfig
+
+    world = World.generate(WorldConfig(seed=world_seed))
+    rng = random.Random(seed)
+    drills: list[str] = []
+    while len(drills) < count:
+        drills.extend(d for d in world_drills(world, LocalSearch(world.passages), count, rng) if d.startswith("Question"))
+    hits = 0
+    model.eval()
+    with torch.no_grad():
+        for drill in drills[:count]:
+            prompt, answer = drill.rsplit(" ", 1)
+            ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])  # (1, T)
+            target = tokenizer.encode(" " + answer, add_special_tokens=False)
+            hits += int(model(input_ids=ids).logits[0, -1].argmax()) == target[0]
+    return hits / count
+
+
+def pack_rows(texts: list[list[int]], eos: int, length: int) -> list[list[int]]:
+    """Token lists (each + EOS) packed greedily, in order, into rows of at most ``length``
+    tokens; a text is never split, and one longer than a row is left out."""
+    rows: list[list[int]] = [[]]
+    for ids in texts:
+        ids = [*ids, eos]
+        if len(ids) > length:
+            continue
+        if len(rows[-1]) + len(ids) > length:
+            rows.append([])
+        rows[-1].extend(ids)
+    return [row for row in rows if row]
 
 
 def pretrain(
@@ -63,31 +124,32 @@ def pretrain(
     tokenizer: Any,
     texts: list[str],
     steps: int,
-    lr: float = 1e-3,
+    lr: float = 3e-3,
     batch_size: int = 16,
-    length: int = 512,
+    length: int = 256,
     log_every: int = 50,
+    probe: Callable[[], float] | None = None,
 ) -> list[float]:
-    """Next-token prediction on ``texts`` (joined by EOS, cut into ``length``-token
-    chunks, cycled); AdamW with warmup and cosine decay. Returns the losses."""
+    """Next-token prediction on ``texts``, each followed by EOS and never cut: whole texts
+    are packed into ``length``-token rows, the rest of a row padded (no loss there), so a
+    drill's question and its answer always lie in the same row. AdamW with warmup and
+    cosine decay; rows are cycled. Returns the losses."""
     import torch
 
-    stream: list[int] = []
-    for text in texts:
-        stream.extend(tokenizer.encode(text, add_special_tokens=False))
-        stream.append(tokenizer.eos_token_id)
-    chunks = torch.tensor(stream[: len(stream) // length * length]).view(-1, length)  # (N, L)
-    if len(chunks) == 0:
-        raise ValueError(f"pretraining text holds fewer than {length} tokens")
+    rows = pack_rows([tokenizer.encode(t, add_special_tokens=False) for t in texts], tokenizer.eos_token_id, length)
+    if not rows:
+        raise ValueError(f"no pretraining text fits in {length} tokens")
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([row + [pad] * (length - len(row)) for row in rows])  # (N, L)
+    labels = torch.tensor([row + [-100] * (length - len(row)) for row in rows])  # (N, L): no loss on padding
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(20, steps, 0.1))
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(steps):
-        rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(chunks)
-        batch = chunks[rows]  # (B, L)
-        loss = model(input_ids=batch, labels=batch).loss
+        picked = torch.arange(step * batch_size, (step + 1) * batch_size) % len(ids)  # (B,)
+        loss = model(input_ids=ids[picked], labels=labels[picked]).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -96,6 +158,8 @@ def pretrain(
         losses.append(float(loss.detach()))
         if (step + 1) % log_every == 0 or step + 1 == steps:
             rate = (step + 1) * batch_size * length / (time.perf_counter() - started)
-            log.info("pretrain step %d/%d loss %.4f tokens/s %.0f", step + 1, steps, losses[-1], rate)
+            accuracy = f" drill accuracy {probe():.2f}" if probe is not None else ""
+            model.train()
+            log.info("pretrain step %d/%d loss %.4f tokens/s %.0f%s", step + 1, steps, losses[-1], rate, accuracy)
     model.eval()
     return losses

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ CHAT_TEMPLATE = (
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-RECIPE_VERSION = 5  # bump when the build recipe changes, so cached models are rebuilt
+RECIPE_VERSION = 6  # bump when the build recipe changes, so cached models are rebuilt
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,8 @@ class TinyConfig:
     max_positions: int = 8192
     seed: int = 0
     world_seed: int = 0
-    pretrain_steps: int = 0  # language-model pretraining (mempo/pretrain.py); 0: random weights
-    pretrain_worlds: int = 16
+    pretrain_steps: int = 0  # reading-drill pretraining (mempo/pretrain.py); 0: random weights
+    pretrain_worlds: int = 32
 
     def key(self, texts: list[str] | None = None) -> str:
         """Cache key: the shape, the recipe and the text the tokenizer learns from (so a
@@ -63,45 +62,23 @@ class TinyConfig:
 
 
 PRESETS: dict[str, TinyConfig] = {
+    # Random weights: the tests' model (built in seconds).
     "test": TinyConfig(),
-    # The learning proof's policy (benchmarks/learning_curve.py, docs/results.md): 3.5M
-    # parameters, LM-pretrained for about 11 minutes on 2 cores (not enough to copy an
-    # answer it has read once: see docs/results.md).
-    "small": TinyConfig(
-        hidden_size=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        intermediate_size=768,
-        vocab_size=3072,
-        pretrain_steps=600,
-    ),
+    # The demo's and the learning proof's base: the same network after 600 steps of
+    # reading drills (mempo/pretrain.py, about 2 minutes on 2 cores; docs/results.md).
+    "reader": TinyConfig(pretrain_steps=600),
 }
 
 
-def _syllable_breaks(text: str) -> str:
-    """Break every invented name at its syllables ("Holbar" -> "Hol\nbar"), so BPE, which
-    merges only inside the pre-tokenizer's pieces, never makes a token of a whole name."""
-    from mempo.lexicon import name_syllables
-
-    def split(match: re.Match[str]) -> str:
-        pieces = name_syllables(match.group(0))
-        return "\n".join(pieces) if pieces and len(pieces) > 1 else match.group(0)
-
-    return re.sub(r"[A-Z][a-z]+", split, text)
-
-
 def training_texts(world_seed: int = 0) -> list[str]:
-    """Text the tokenizer learns from: the world's passages, questions and oracle rounds,
-    names broken at their syllables. Real tokenizers spell rare names with common
-    subwords; a tokenizer with one token per name would leave the names of held-out
-    entities as tokens the policy was never trained to write, so it could not copy them."""
+    """Text the tokenizer learns from: the world's search results, questions and oracle
+    rounds, and the name inventory that makes every pool name one token."""
     from mempo.agent_format import INSTRUCTIONS, format_documents
     from mempo.oracle import Oracle
     from mempo.world import World, WorldConfig
 
     world = World.generate(WorldConfig(seed=world_seed))
-    by_title = {p["contents"].split("\n", 1)[0].strip('"'): p for p in world.passages}
+    by_title = {p["contents"].split("\n", 1)[0]: p for p in world.passages}
 
     def lookup(query: str) -> str:
         # Exact title lookup plus two fixed neighbours: independent of any search engine,
@@ -113,7 +90,7 @@ def training_texts(world_seed: int = 0) -> list[str]:
     oracle = Oracle(world)
     texts = [
         INSTRUCTIONS,
-        *(p["contents"] for p in world.passages),
+        *(format_documents([p]) for p in world.passages),
         *(q.text for q in world.questions),
     ]
     for k in (1, 3):
@@ -123,16 +100,24 @@ def training_texts(world_seed: int = 0) -> list[str]:
                     texts.append(r.response)
                     if r.information:
                         texts.append(r.information)
-    return [_syllable_breaks(text) for text in texts] + [_syllable_inventory()]
+    return [*texts, _name_inventory()]
 
 
-def _syllable_inventory(repeats: int = 2000) -> str:
-    """Every name syllable as a word of its own, often enough that BPE merges it before
-    any English merge that could cut across syllables ("orn" of "born" in "Zornim")."""
-    from mempo.lexicon import NAME_PIECES
+def _name_inventory(repeats: int = 200) -> str:
+    """Every pool name, space first as the world always writes it, often enough that BPE
+    merges each into one token before it spends merges on rarer English."""
+    from mempo.lexicon import NAMES
 
-    forms = [f for p in NAME_PIECES for f in (p, p.capitalize(), " " + p.capitalize())]
-    return "\n".join(forms * repeats)
+    return "".join(f" {name}" for name in NAMES) * repeats
+
+
+def check_name_tokens(tokenizer: Any) -> None:
+    """Every pool name, as written (after a space), must be exactly one token."""
+    from mempo.lexicon import NAMES
+
+    split = [n for n in NAMES if len(tokenizer.encode(f" {n}", add_special_tokens=False)) != 1]
+    if split:
+        raise RuntimeError(f"{len(split)} pool names are not one token (e.g. {split[:5]}): raise vocab_size")
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> Any:
@@ -194,6 +179,7 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
     out.mkdir(parents=True, exist_ok=True)
     texts = texts if texts is not None else training_texts(config.world_seed)
     tokenizer = build_tokenizer(texts, config.vocab_size)
+    check_name_tokens(tokenizer)
     tokenizer.save_pretrained(out)
     _mark_qwen2(out)
     model_config = Qwen2Config(
@@ -212,10 +198,12 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
     if config.pretrain_steps:
-        from mempo.pretrain import pretrain, pretraining_texts
+        from mempo.pretrain import drill_accuracy, drill_texts, pretrain
 
-        log.info("pretraining the tiny model: %d steps", config.pretrain_steps)
-        pretrain(model, tokenizer, pretraining_texts(config.pretrain_worlds), config.pretrain_steps)
+        log.info("pretraining the tiny model: %d steps of reading drills", config.pretrain_steps)
+        pretrain(model, tokenizer, drill_texts(config.pretrain_worlds, seed=config.seed), config.pretrain_steps)
+        log.info("reading-drill answer accuracy on world %d: %.2f", config.world_seed,
+                 drill_accuracy(model, tokenizer, config.world_seed))
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,9 +1,11 @@
 """A synthetic multi-hop QA world, generated deterministically from a seed.
 
-Fictional people, cities, countries and organisations with attributes; one wiki-18
-style passage per entity (``{"id", "contents": "\\"Title\\"\\nbody"}``); 1-hop and
-2-hop questions whose answers are invented names or years, so an agent cannot guess
-them and must search; k-question tasks that force it to remember earlier findings; a
+Fictional people, cities, countries and organisations, each named by one word of the
+shared name pool (mempo/lexicon.py); one wiki-18 style passage per entity
+(``{"id", "contents": "Title\\nbody"}``, the title unquoted so that every mention of a
+name is the same token); 1-hop and 2-hop questions whose answers are other entities'
+names (years only with ``WorldConfig.year_questions``), so an agent cannot guess them
+and must search; k-question tasks that force it to remember earlier findings; a
 train/test split by subject entity (no question is shared); and an oracle policy
 (mempo/oracle.py) that writes the ideal rounds given what retrieval returns.
 """
@@ -13,10 +15,10 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from mempo.lexicon import BACKGROUND, FILL, ORG_KINDS, PROFESSIONS, RIVER_SUFFIX, NameMaker
+from mempo.lexicon import BACKGROUND, FILL, NAMES, ORG_KINDS, PROFESSIONS
 
 Split = Literal["train", "test"]
 
@@ -41,7 +43,7 @@ RELATIONS: dict[str, Relation] = {
             "birth city",
             "born",
             "In which city was {s} born?",
-            r"{s} was born in \d+ in the city of ([A-Z][\w ]*?)\.",
+            r"\b{s} was born in \d+ in the city of ([A-Z]\w*)\.",
         ),
         Relation(
             "birth_year",
@@ -49,7 +51,7 @@ RELATIONS: dict[str, Relation] = {
             "birth year",
             "born",
             "In what year was {s} born?",
-            r"{s} was born in (\d+) ",
+            r"\b{s} was born in (\d+) ",
         ),
         Relation(
             "employer",
@@ -57,7 +59,7 @@ RELATIONS: dict[str, Relation] = {
             "employer",
             "works",
             "Which organization does {s} work for?",
-            r"{s} is an? \w+ and works for ([A-Z][\w ]*?)\.",
+            r"\b{s} is an? \w+ and works for ([A-Z]\w*)\.",
         ),
         Relation(
             "country",
@@ -65,7 +67,7 @@ RELATIONS: dict[str, Relation] = {
             "country",
             "country",
             "In which country is the city of {s}?",
-            r"{s} is a city in ([A-Z][\w ]*?), founded",
+            r"\b{s} is a city in ([A-Z]\w*), founded",
         ),
         Relation(
             "city_founded",
@@ -73,7 +75,7 @@ RELATIONS: dict[str, Relation] = {
             "founding year",
             "founded",
             "In what year was the city of {s} founded?",
-            r"{s} is a city in [\w ]+, founded in (\d+)\.",
+            r"\b{s} is a city in \w+, founded in (\d+)\.",
         ),
         Relation(
             "headquarters",
@@ -81,7 +83,7 @@ RELATIONS: dict[str, Relation] = {
             "headquarters city",
             "headquartered",
             "In which city is {s} headquartered?",
-            r"{s} is an? \w+ headquartered in ([A-Z][\w ]*?)\.",
+            r"\b{s} is an? \w+ headquartered in ([A-Z]\w*)\.",
         ),
         Relation(
             "founder",
@@ -89,7 +91,7 @@ RELATIONS: dict[str, Relation] = {
             "founder",
             "founded",
             "Who founded {s}?",
-            r"{s} is an? \w+ headquartered in [\w ]+\. It was founded in \d+ by ([A-Z][\w ]*?)\.",
+            r"\b{s} is an? \w+ headquartered in \w+\. It was founded in \d+ by ([A-Z]\w*)\.",
         ),
         Relation(
             "org_founded",
@@ -97,7 +99,7 @@ RELATIONS: dict[str, Relation] = {
             "founding year",
             "founded",
             "In what year was {s} founded?",
-            r"{s} is an? \w+ headquartered in [\w ]+\. It was founded in (\d+) by",
+            r"\b{s} is an? \w+ headquartered in \w+\. It was founded in (\d+) by",
         ),
         Relation(
             "capital",
@@ -105,10 +107,13 @@ RELATIONS: dict[str, Relation] = {
             "capital",
             "capital",
             "What is the capital of {s}?",
-            r"{s} is a country whose capital is ([A-Z][\w ]*?)\.",
+            r"\b{s} is a country whose capital is ([A-Z]\w*)\.",
         ),
     ]
 }
+
+YEAR_RELATIONS = tuple(name for name in RELATIONS if name.endswith(("_year", "_founded")))
+NAME_RELATIONS = tuple(name for name in RELATIONS if name not in YEAR_RELATIONS)
 
 # Two-hop questions: (first relation, second relation, template with {s}).
 TWO_HOP: dict[str, tuple[str, str, str]] = {
@@ -141,15 +146,20 @@ class Question:
 @dataclass(frozen=True)
 class WorldConfig:
     seed: int = 0
-    people: int = 200
-    cities: int = 40
-    countries: int = 8
-    orgs: int = 40
+    people: int = 80  # 126 entities: about half of the shared name pool
+    cities: int = 20
+    countries: int = 6
+    orgs: int = 20
     max_hops: int = 2
     test_fraction: float = 0.2
-    background: int = 7  # background sentences per passage (0: facts only): ~90-word passages
-    relations: tuple[str, ...] = tuple(RELATIONS)
+    background: int = 1  # background sentences per passage (0: facts only; 7: ~90 words)
+    year_questions: bool = False  # also ask the years the passages state
+    relations: tuple[str, ...] = NAME_RELATIONS  # 1-hop questions (years added by year_questions)
     two_hop: tuple[str, ...] = tuple(TWO_HOP)
+
+    def asked(self) -> tuple[str, ...]:
+        """The 1-hop relations questions are asked about."""
+        return self.relations + (YEAR_RELATIONS if self.year_questions else ())
 
 
 @dataclass
@@ -161,7 +171,6 @@ class World:
     kinds: dict[str, str]  # entity name -> person | city | org | country
     passages: list[dict[str, str]]
     questions: list[Question]
-    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- generation
 
@@ -169,11 +178,11 @@ class World:
     def generate(cls, config: WorldConfig | None = None) -> World:
         config = config or WorldConfig()
         rng = random.Random(config.seed)
-        names = NameMaker(rng)
-        countries = [names.word(3) + "ia" for _ in range(config.countries)]
-        cities = [names.word(2) for _ in range(config.cities)]
-        orgs = [f"{names.word(2)} {rng.choice(ORG_KINDS)}" for _ in range(config.orgs)]
-        people = [f"{names.word(2)} {names.word(2)}" for _ in range(config.people)]
+        counts = (config.countries, config.cities, config.orgs, config.people)
+        if sum(counts) > len(NAMES):
+            raise ValueError(f"a world of {sum(counts)} entities needs more than the {len(NAMES)} pool names")
+        names = iter(rng.sample(NAMES, sum(counts)))  # without replacement
+        countries, cities, orgs, people = ([next(names) for _ in range(n)] for n in counts)
         facts: dict[str, dict[str, str]] = {}
         kinds: dict[str, str] = {}
         for c in countries:
@@ -185,7 +194,6 @@ class World:
             facts[c] = {
                 "country": rng.choice(countries),
                 "city_founded": str(rng.randint(900, 1800)),
-                "river": f"{names.word(2)} {RIVER_SUFFIX}",
             }
         for i, c in enumerate(countries):
             facts[cities[i % len(cities)]]["country"] = c  # a capital lies in its country
@@ -203,9 +211,9 @@ class World:
                 "headquarters": rng.choice(cities),
                 "founder": rng.choice(people),
                 "org_founded": str(rng.randint(1700, 1990)),
+                "kind": rng.choice(ORG_KINDS),
             }
         world = cls(config=config, facts=facts, kinds=kinds, passages=[], questions=[])
-        world.aliases = {name: _aliases(name, kind) for name, kind in kinds.items()}
         world.passages = [world._passage(i, name) for i, name in enumerate(kinds)]
         world.questions = world._make_questions(rng)
         return world
@@ -215,23 +223,19 @@ class World:
         if kind == "person":
             body = (
                 f"{name} was born in {f['birth_year']} in the city of {f['birthplace']}. "
-                f"{name} is a {f['profession']} and works for {f['employer']}."
+                f"{name} is {_article(f['profession'])} and works for {f['employer']}."
             )
         elif kind == "city":
-            body = (
-                f"{name} is a city in {f['country']}, founded in {f['city_founded']}. "
-                f"It lies on the {f['river']}."
-            )
+            body = f"{name} is a city in {f['country']}, founded in {f['city_founded']}."
         elif kind == "org":
-            article = "an" if name.split()[-1][0] in "AEIOU" else "a"
             body = (
-                f"{name} is {article} {name.split()[-1].lower()} headquartered in {f['headquarters']}. "
+                f"{name} is {_article(f['kind'])} headquartered in {f['headquarters']}. "
                 f"It was founded in {f['org_founded']} by {f['founder']}."
             )
         else:
             body = f"{name} is a country whose capital is {f['capital']}."
         body = " ".join([body, *self._background(name, kind)])
-        return {"id": str(index), "contents": f'"{name}"\n{body}'}
+        return {"id": str(index), "contents": f"{name}\n{body}"}
 
     def _background(self, name: str, kind: str) -> list[str]:
         rng = random.Random(f"{self.config.seed}:background:{name}")
@@ -239,7 +243,7 @@ class World:
         chosen = rng.sample(pool, min(self.config.background, len(pool)))
         fill = {key: rng.sample(words, 2) for key, words in FILL.items()}
         values = {k: v[0] for k, v in fill.items()} | {f"{k}2": v[1] for k, v in fill.items()}
-        return [template.format(first=name.split()[0], **values) for template in chosen]
+        return [template.format(name=name, **values) for template in chosen]
 
     def _make_questions(self, rng: random.Random) -> list[Question]:
         cfg = self.config
@@ -249,7 +253,7 @@ class World:
         for subject in subjects:
             split: Split = "test" if subject in test_subjects else "train"
             kind = self.kinds[subject]
-            for rel_name in cfg.relations:
+            for rel_name in cfg.asked():
                 rel = RELATIONS[rel_name]
                 if rel.subject == kind:
                     value = self.facts[subject][rel_name]
@@ -258,7 +262,7 @@ class World:
                             rel.question.format(s=subject),
                             subject,
                             (rel_name,),
-                            self.aliases.get(value, (value,)),
+                            (value,),
                             split,
                         )
                     )
@@ -275,7 +279,7 @@ class World:
                         template.format(s=subject),
                         subject,
                         (first, second),
-                        self.aliases.get(value, (value,)),
+                        (value,),
                         split,
                     )
                 )
@@ -328,12 +332,8 @@ class World:
         return match.group(1).strip() if match else None
 
 
-def _aliases(name: str, kind: str) -> tuple[str, ...]:
-    if kind == "person":
-        return (name, name.split()[-1])
-    if kind == "org":
-        return (name, name.split()[0])
-    return (name,)
+def _article(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def __getattr__(name: str) -> object:

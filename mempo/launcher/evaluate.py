@@ -41,6 +41,7 @@ class EvalOptions:
     concurrency: int = 8
     max_new_tokens: int = 256
     engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
+    every_question: bool = False  # k = 1: every distinct question of the split once (``tasks`` unused)
 
 
 def summarize(groups: list[Group]) -> dict[str, float]:
@@ -85,7 +86,12 @@ async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score:
 
 def eval_tasks(opts: EvalOptions, k: int, mode: str) -> list[Task]:
     world = World.generate(WorldConfig(seed=opts.world_seed))
-    pairs = world.tasks(opts.split, k, opts.tasks, seed=opts.task_seed + k)  # type: ignore[arg-type]
+    if opts.every_question:
+        if k != 1:
+            raise ValueError(f"every_question evaluates 1-question tasks only (got k = {k})")
+        pairs = [([q.text], [list(q.answers)]) for q in world.split_questions(opts.split)]  # type: ignore[arg-type]
+    else:
+        pairs = world.tasks(opts.split, k, opts.tasks, seed=opts.task_seed + k)  # type: ignore[arg-type]
     return [Task(questions=q, answers=a, n=1, mode=mode, max_rounds=3 * k + 2) for q, a in pairs]  # type: ignore[arg-type]
 
 

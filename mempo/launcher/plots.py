@@ -45,8 +45,42 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list
     return xs, ys
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def read_heldout(path: Path) -> dict[str, Any]:
+    """``heldout.json`` of a run ({"start": {"em", ...}, "end": ..., "end_step"}), or {}."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _reward_extras(ax: Any, rows: Sequence[dict[str, Any]], heldout: dict[str, Any]) -> int:
+    """The reward's moving average and the held-out EM before and after RL."""
+    from mempo.launcher.progress import AVERAGE
+
+    drawn = 0
+    xs, ys = _series(rows, "reward_mean")
+    if len(xs) > 1:
+        ax.plot(xs, moving_average(ys, AVERAGE), linewidth=2.2, label=f"reward, mean of {AVERAGE} steps")
+        drawn += 1
+    points = [(0.0, heldout.get("start")), (float(heldout.get("end_step") or (xs[-1] if xs else 1)), heldout.get("end"))]
+    points = [(x, p["em"]) for x, p in points if isinstance(p, dict) and isinstance(p.get("em"), (int, float))]
+    if points:
+        ax.plot(*zip(*points, strict=True), marker="*", markersize=12, linestyle=":", color="black",
+                label="held-out EM (greedy)")
+        drawn += 1
+    return drawn
+
+
 def plot_run(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """Write one PNG per panel with data; returns the files written."""
+    """Write one PNG per panel with data; returns the files written. The reward panel also
+    shows the reward's moving average and, when the run has a ``heldout.json`` next to its
+    metrics, the held-out EM before (step 0) and after RL."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,6 +97,8 @@ def plot_run(metrics_path: Path, out_dir: Path) -> list[Path]:
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
                 drawn += 1
+        if name == "reward.png" and drawn:
+            drawn += _reward_extras(ax, rows, read_heldout(metrics_path.parent / "heldout.json"))
         if drawn:
             ax.set_title(title)
             ax.set_xlabel("training step")

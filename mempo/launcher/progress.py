@@ -13,9 +13,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+AVERAGE = 8  # steps in the reward's moving average
+
 # (label, metric key in the learner's last_metrics, format)
 COLUMNS: list[tuple[str, str, str]] = [
     ("reward", "reward_mean", "{:.3f}"),
+    (f"reward avg{AVERAGE}", "reward_avg", "{:.3f}"),
     ("EM", "correct_rate", "{:.3f}"),
     ("format", "format_rate", "{:.2f}"),
     ("R_M", "mem_reward_mean", "{:+.4f}"),
@@ -41,8 +44,10 @@ def _fmt(metrics: dict[str, Any], key: str, pattern: str) -> str:
 
 
 class Progress:
-    def __init__(self, steps: int, enabled: bool = True) -> None:
+    def __init__(self, steps: int, enabled: bool = True, heading: str = "") -> None:
         self.steps = steps
+        self.heading = heading  # a line above the table (the held-out score before RL)
+        self.rewards: list[float] = []
         self.started = time.monotonic()
         self.console = Console(stderr=False)
         self.live_mode = enabled and sys.stdout.isatty()
@@ -54,6 +59,8 @@ class Progress:
         self.live: Live | None = None
 
     def __enter__(self) -> Progress:
+        if self.heading and not self.live_mode and self.enabled:
+            self.console.print(f"[mempo up] {self.heading}")
         if self.live_mode:
             self.live = Live(self._render(), console=self.console, refresh_per_second=2, transient=False)
             self.live.__enter__()
@@ -80,6 +87,10 @@ class Progress:
         metrics = status.get("last_metrics") or {}
         if step != self.last_step and metrics and step > 0:
             self.last_step = step
+            if isinstance(metrics.get("reward_mean"), (int, float)):
+                self.rewards.append(float(metrics["reward_mean"]))
+            recent = self.rewards[-AVERAGE:]
+            metrics = {**metrics, "reward_avg": sum(recent) / len(recent) if recent else None}
             row = [str(step), *(_fmt(metrics, key, f) for _, key, f in COLUMNS)]
             self.rows.append(row)
             if self.live is None and self.enabled:
@@ -102,6 +113,8 @@ class Progress:
             table.add_row(*row)
         elapsed = time.monotonic() - self.started
         lines = [Text(f"elapsed {elapsed:.0f}s  {self.message}")]
+        if self.heading:
+            lines.insert(0, Text(self.heading))
         if self.snap is not None:
             s = self.snap.status
             lines.append(Text(

@@ -3,7 +3,8 @@
 A private redis-server (or ``MEMPO_REDIS_URL``), the retrieval service, the scorer, N CPU
 engines with N rollout workers, and the learner, each a child process with its own log
 in ``runs/<name>/logs/``. It waits for every ``/ready``, shows live progress until the
-learner has taken ``--steps`` steps, stops everything cleanly, and writes plots.
+learner has taken ``--steps`` steps, and stops everything cleanly (the CLI then scores
+the held-out set and writes plots).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import httpx
 
-from mempo.launcher.plots import plot_run
 from mempo.launcher.progress import Progress, Snapshot
 from mempo.launcher.supervisor import Child, ChildFailed, Supervisor
 from mempo.procs import RedisServer, free_port
@@ -41,8 +41,10 @@ class UpOptions:
     max_new_tokens: int = 256  # per round (the worker's default, 512, suits real models)
     max_staleness: int = 1
     lr: float | None = None
+    warmup_steps: int | None = None
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
     mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
+    neg_adv_scale: float | None = None  # negative advantages multiplied by this
     seed: int = 0
     display: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)  # every child: under the defaults
@@ -133,8 +135,10 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_BATCH_GROUPS=opts.batch_groups, MEMPO_LEARNER_MODE=opts.mode,
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
         MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
+        MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
         MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
+        MEMPO_LEARNER_TRAINER__NEG_ADV_SCALE=opts.neg_adv_scale,
     )
     second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
                             env=_over(opts, "learner", learner_env)))
@@ -176,8 +180,9 @@ def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progres
             time.sleep(1.0)
 
 
-def run_up(opts: UpOptions, model: Path) -> dict[str, Any]:
-    """Run the loop; returns the learner's final status. Cleans up on any exit."""
+def run_up(opts: UpOptions, model: Path, heading: str = "") -> dict[str, Any]:
+    """Run the loop; returns the learner's final status. Cleans up on any exit.
+    ``heading`` is shown above the live progress (the held-out score so far)."""
     run = opts.run_dir
     run.mkdir(parents=True, exist_ok=True)
     redis: RedisServer | None = None
@@ -187,7 +192,7 @@ def run_up(opts: UpOptions, model: Path) -> dict[str, Any]:
         if not redis_url:
             redis = RedisServer(run / "redis", appendonly=True, password=secrets.token_hex(16)).start()
             redis_url = redis.url
-        with Supervisor(run) as sup, Progress(opts.steps, enabled=opts.display) as progress:
+        with Supervisor(run) as sup, Progress(opts.steps, enabled=opts.display, heading=heading) as progress:
             progress.note(f"starting services (logs in {run / 'logs'})")
             ends = start_services(sup, opts, model, redis_url)
             progress.note("all services ready; training")
@@ -197,5 +202,4 @@ def run_up(opts: UpOptions, model: Path) -> dict[str, Any]:
         if redis is not None:
             redis.stop()
     final["wall_s"] = round(time.monotonic() - started, 1)
-    final["plots"] = [str(p) for p in plot_run(run / "metrics.jsonl", run)]
     return final

@@ -17,9 +17,10 @@ from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
 class WarmStart:
     """What ``mempo sft`` is run with; the cache key of the result."""
 
-    preset: str = "test"
-    tasks: int = 256
-    k: str = "1-2"  # as `mempo up --questions` defaults (format-valid rate 0.95 on held-out tasks)
+    preset: str = "reader"  # pretrained on reading drills (mempo/pretrain.py)
+    tasks: int = 128  # oracle tasks per world and number of questions
+    worlds: int = 8  # the agent's world 0 (train split) and worlds 1-7
+    k: str = "1,2"
     mode: str = "memory"
     steps: int = 300
     lr: float = 2e-3
@@ -42,7 +43,7 @@ def warm_started_policy(spec: WarmStart, cache_dir: Path | None = None) -> Path:
     print(f"[mempo] SFT warm start of the tiny model ({spec.steps} steps, once; cached in {final})", flush=True)
     cmd = [
         sys.executable, "-m", "mempo.cli", "sft", "--out", str(tmp), "--model", str(base),
-        "--tasks", str(spec.tasks), "--k", spec.k, "--mode", spec.mode,
+        "--tasks", str(spec.tasks), "--worlds", str(spec.worlds), "--k", spec.k, "--mode", spec.mode,
         "--steps", str(spec.steps), "--lr", str(spec.lr), "--seed", str(spec.seed),
     ]
     subprocess.run(cmd, check=True)

@@ -31,6 +31,7 @@ from mempo.advantages import (
     MEM_MIN_STD,
     grpo_outcome_advantage,
     memory_advantage,
+    scale_negative,
     token_advantages,
 )
 from mempo.schemas import Group, Trajectory
@@ -220,8 +221,14 @@ def build_batch(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     mem_min_std: float = MEM_MIN_STD,
+    *,
+    neg_adv_scale: float = 1.0,
 ) -> TrainingBatch:
-    """Groups -> sequences, per-token advantages (A_T + alpha * A_M on <mem> tokens)."""
+    """Groups -> sequences, per-token advantages (A_T + alpha * A_M on <mem> tokens).
+
+    ``neg_adv_scale`` multiplies every negative per-token advantage, after A_T and
+    alpha * A_M are combined (mempo.advantages.scale_negative; 1 leaves them unchanged).
+    """
     if not groups:
         raise ValueError("build_batch needs at least one group")
     flat, trajectories = _flatten(groups)
@@ -262,6 +269,7 @@ def build_batch(
     per_token = token_advantages(
         outcome[seq_traj], loss_mask, span[:, 0], span[:, 1], span[:, 2], memory[span[:, 3]], alpha
     )  # (N, L)
+    per_token = scale_negative(per_token, neg_adv_scale)  # (N, L)
     inside = token_advantages(
         torch.zeros(n), loss_mask, span[:, 0], span[:, 1], span[:, 2], torch.ones(len(spans))
     )  # (N, L): 1 on trained tokens inside a scored span

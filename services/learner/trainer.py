@@ -139,7 +139,9 @@ class Trainer:
             if reason := validate_group(group, self.vocab_size):
                 raise ValueError(f"group {group.group_id}: {reason}")
         c = self.config
-        return build_batch(groups, c.alpha, c.eps, c.norm_by_std, c.mem_min_std)
+        return build_batch(
+            groups, c.alpha, c.eps, c.norm_by_std, c.mem_min_std, neg_adv_scale=c.neg_adv_scale
+        )
 
     def _train(self, batch: TrainingBatch, started: float) -> dict[str, float]:
         cfg = self.config

@@ -93,6 +93,13 @@ class TrainerConfig(BaseModel):
     rarely knows the answer from becoming unit-scale advantages; see
     mempo.advantages.MEM_MIN_STD and docs/results.md."""
 
+    neg_adv_scale: float = Field(default=1.0, gt=0, le=1)
+    """Multiplies every negative per-token advantage (after A_T + alpha * A_M); positive
+    and zero ones are unchanged. 1 is DESIGN.md's definition. A tiny policy that succeeds
+    on 10-20% of rollouts gives most of them a negative advantage, and pushing down tokens
+    sampled at T=1 spreads mass onto garbage until the policy drifts; 0.2 kept it stable
+    (issue 23, docs/results.md). See mempo.advantages.scale_negative."""
+
     norm_by_std: bool = True
     """Divide the outcome advantage by the group's std (False: Dr.GRPO, centred reward only)."""
 

@@ -8,7 +8,12 @@ import random
 import pytest
 import torch
 
-from mempo.advantages import grpo_outcome_advantage, memory_advantage, token_advantages
+from mempo.advantages import (
+    grpo_outcome_advantage,
+    memory_advantage,
+    scale_negative,
+    token_advantages,
+)
 
 
 def reference_group_norm(
@@ -137,3 +142,32 @@ def test_memory_advantage_only_inside_span() -> None:
         torch.tensor([0.5]), mask, torch.tensor([0]), torch.tensor([3]), torch.tensor([5]), torch.tensor([2.0])
     )
     assert adv.tolist() == [[0.0, 0.0, 0.5, 2.5, 2.5, 0.5, 0.5]]
+
+
+def reference_scale_negative(values: list[float], scale: float) -> list[float]:
+    return [v * scale if v < 0 else v for v in values]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scale_negative_matches_reference(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    n, length = rng.randint(1, 5), rng.randint(1, 12)
+    values = [0.0 if rng.random() < 0.3 else rng.gauss(0, 1) for _ in range(n * length)]
+    scale = rng.choice([1.0, 0.5, 0.2, 1e-3])
+    got = scale_negative(torch.tensor(values, dtype=torch.float64).reshape(n, length), scale)
+    assert got.dtype == torch.float32 and got.shape == (n, length)
+    want = reference_scale_negative(values, scale)
+    assert got.flatten().tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_scale_negative_hand_computed() -> None:
+    adv = torch.tensor([[1.5, -2.0, 0.0], [-0.5, 0.25, -1.0]])
+    got = scale_negative(adv, 0.2)
+    assert got.flatten().tolist() == pytest.approx([1.5, -0.4, 0.0, -0.1, 0.25, -0.2])
+    assert scale_negative(adv, 1.0).equal(adv)  # the definition: unchanged
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1.5, math.nan])
+def test_scale_negative_rejects_scale_outside_unit_interval(scale: float) -> None:
+    with pytest.raises(ValueError, match="scale"):
+        scale_negative(torch.tensor([-1.0, 1.0]), scale)

@@ -47,6 +47,7 @@ def test_plot_refuses_a_folder_without_figures(tmp_path: Path, content: str | No
         (["up", "--model", "/nonexistent"], "not an HF model folder"),
         (["eval", "--model", "/nonexistent"], "not an HF model folder"),
         (["tiny", "build", "--out", "x", "--preset", "huge"], "unknown preset"),
+        (["world", "corpus", "--out", "x.jsonl", "--people", "400"], "pool names"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str) -> None:
@@ -54,6 +55,18 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str) -> N
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_eval_every_question_wants_k_1(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path), "--ks", "1,2", "--every-question"])
+    assert result.exit_code == 2 and "--every-question" in result.output
+
+
+def test_up_neg_adv_scale_must_be_above_0(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    result = runner.invoke(app, ["up", "--model", str(tmp_path), "--neg-adv-scale", "0"])
+    assert result.exit_code == 2 and "--neg-adv-scale" in result.output
 
 
 def test_eval_wants_an_http_engine_url(tmp_path: Path) -> None:

@@ -68,35 +68,41 @@ def test_cache_key_is_the_same_in_every_process() -> None:
     assert len(keys) == 1 and keys == {TinyConfig().key()}
 
 
-def test_held_out_names_are_spelled_with_trained_tokens(tokenizer: Any, world: Any) -> None:
-    """No name is one token, and every token of a test-split subject or answer is also
-    written on train-split tasks (subjects in queries, answers, the memory's Q labels):
-    the policy can write a held-out entity's name with tokens it was trained to write."""
-    from mempo.lexicon import name_syllables
+def test_every_pool_name_is_one_token_after_a_reload(tokenizer: Any) -> None:
+    from mempo.lexicon import NAMES
 
-    def tokens(texts: set[str]) -> set[int]:
-        return {
-            i for t in texts for lead in ("", " ") for i in tokenizer.encode(lead + t, add_special_tokens=False)
-        }
-
-    def written(split: str) -> set[str]:
-        questions = world.split_questions(split)
-        return {q.subject for q in questions} | {a for q in questions for a in q.answers}
-
-    for name in world.kinds:
-        for word in name.split():
-            if name_syllables(word):
-                assert len(tokenizer.encode(word, add_special_tokens=False)) >= 2, word
-    assert len(written("test") - written("train")) >= 20
-    assert tokens(written("test")) <= tokens(written("train") | {"Q1 Q2"})
+    for name in NAMES:
+        assert len(tokenizer.encode(f" {name}", add_special_tokens=False)) == 1, name
 
 
-def test_name_syllables() -> None:
-    from mempo.lexicon import name_syllables
+def test_every_mention_of_a_name_is_the_same_token(tokenizer: Any, world: Any, local_search: Any) -> None:
+    """Titles, passages, questions, memories, queries and answers, as the agent sees and
+    writes them (chat-rendered prompt plus response): a name is always its one token."""
+    import re
 
-    assert name_syllables("Holbar") == ["Hol", "bar"]
-    assert name_syllables("Nimulgraia") == ["Nim", "ul", "gra", "ia"]
-    assert name_syllables("Society") is None and name_syllables("") is None
+    from mempo.agent_format import first_prompt_ids, format_documents
+    from mempo.lexicon import NAMES
+    from mempo.oracle import Oracle
+
+    token_of = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(f" {n}"))[0]: n for n in NAMES}
+    mention = re.compile(r"\b(" + "|".join(NAMES) + r")\b")
+    oracle = Oracle(world)
+    for questions, _ in world.tasks("test", 2, 5, seed=1):
+        texts = [tokenizer.decode(first_prompt_ids(tokenizer, questions))]
+        for r in oracle.episode(questions, lambda q: format_documents(local_search.retrieve([q], 3)[0])):
+            texts += [r.response, *([r.information] if r.information else [])]
+        for text in texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert [token_of[i] for i in ids if i in token_of] == mention.findall(text), text
+
+
+def test_name_check_refuses_a_tokenizer_that_splits_names() -> None:
+    import pytest
+
+    from mempo.tiny import build_tokenizer, check_name_tokens
+
+    with pytest.raises(RuntimeError, match="not one token"):
+        check_name_tokens(build_tokenizer(["no names here"], 300))
 
 
 def test_vocabulary_covers_the_learner_tests_random_ids(tokenizer: Any) -> None:

@@ -23,8 +23,43 @@ def test_corpus_is_wiki18_style(world: World) -> None:
     for p in world.passages:
         assert set(p) == {"id", "contents"}
         title, body = p["contents"].split("\n", 1)
-        assert re.fullmatch(r'"[A-Z][\w ]+"', title) and body
+        assert re.fullmatch(r"[A-Z][a-z]+", title) and body.startswith(f"{title} ")
     assert len({p["id"] for p in world.passages}) == len(world.passages)
+
+
+def test_name_pool_is_fixed_and_of_single_words() -> None:
+    from mempo.lexicon import COMMON_WORDS, NAME_POOL_SIZE, NAMES, SYLLABLES, _name_pool
+
+    assert len(NAMES) == len(set(NAMES)) == NAME_POOL_SIZE == 300
+    assert _name_pool() == NAMES  # deterministic: the same on every machine
+    syllables = set(SYLLABLES)
+    for name in NAMES:
+        lower = name.lower()
+        assert name == name.capitalize() and lower not in COMMON_WORDS
+        assert any(lower[:i] in syllables and lower[i:] in syllables for i in range(1, len(lower)))
+
+
+def test_every_entity_is_one_pool_name_shared_across_worlds() -> None:
+    from mempo.lexicon import NAMES
+
+    a, b = World.generate(WorldConfig(seed=0)), World.generate(WorldConfig(seed=1))
+    for w in (a, b):
+        assert set(w.kinds) <= set(NAMES) and len(w.kinds) == 126
+        names = set(w.kinds)
+        for q in w.questions:
+            assert q.subject in names and all(x in names for x in q.answers)
+    assert len(set(a.kinds) & set(b.kinds)) > 20  # the pool is shared
+    assert {a.kinds[n] for n in set(a.kinds) & set(b.kinds)} != {"person"}  # in other roles too
+    with pytest.raises(ValueError, match="pool names"):
+        World.generate(WorldConfig(people=400))
+
+
+def test_years_are_stated_but_asked_only_when_enabled() -> None:
+    plain, years = World.generate(WorldConfig(seed=2)), World.generate(WorldConfig(seed=2, year_questions=True))
+    assert plain.passages == years.passages
+    assert any(re.search(r"\b1\d{3}\b", p["contents"]) for p in plain.passages)
+    assert not any(a.isdigit() for q in plain.questions for a in q.answers)
+    assert any(a.isdigit() for q in years.questions for a in q.answers)
 
 
 def test_split_shares_no_question(world: World) -> None:
@@ -41,7 +76,7 @@ def test_answers_are_not_in_the_question(world: World) -> None:
 
 
 def test_every_fact_is_stated_in_its_passage(world: World) -> None:
-    by_title = {p["contents"].split("\n")[0].strip('"'): p["contents"] for p in world.passages}
+    by_title = {p["contents"].split("\n")[0]: p["contents"] for p in world.passages}
     for q in world.questions:
         subject = q.subject
         for relation in q.relations:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from mempo.schemas import Group, Round, Trajectory
 from services.learner.batch import build_batch, trajectory_sequences, validate_group
+from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.factories import cached_groups
 
 EPS = 1e-6
@@ -179,3 +181,22 @@ def test_validate_group_names_the_bad_token(tiny_model_dir: Path) -> None:
 def test_empty_batch_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least one group"):
         build_batch([])
+
+
+def test_neg_adv_scale_shrinks_only_negative_advantages(tiny_model_dir: Path) -> None:
+    groups = cached_groups(tiny_model_dir, 2, mode="memory")
+    plain = build_batch(groups).advantages
+    scaled = build_batch(groups, neg_adv_scale=0.2).advantages
+    negative = plain < 0
+    assert negative.any() and (plain > 0).any()  # the test data holds both signs
+    np.testing.assert_array_equal(scaled[~negative].numpy(), plain[~negative].numpy())
+    np.testing.assert_allclose(
+        scaled[negative].numpy(), 0.2 * plain[negative].numpy(), rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, 1.1])
+def test_neg_adv_scale_config_range(scale: float) -> None:
+    assert TrainerConfig().neg_adv_scale == 1.0
+    with pytest.raises(ValidationError, match="neg_adv_scale"):
+        TrainerConfig(neg_adv_scale=scale)

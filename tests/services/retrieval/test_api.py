@@ -49,10 +49,10 @@ async def test_scored_results_have_search_r1_shape(client: httpx.AsyncClient, wo
         for hit in hits:
             assert set(hit) == {"document", "score"} and set(hit["document"]) == {"id", "contents"}
             assert isinstance(hit["score"], float) and isinstance(hit["document"]["id"], str)
-            assert re.fullmatch(r'"[^"\n]+"\n.+', hit["document"]["contents"], re.S)
+            assert re.fullmatch(r"[^\n]+\n.+", hit["document"]["contents"], re.S)  # "Title\nbody"
         assert hits[0]["score"] >= hits[1]["score"]
         assert hits[0]["document"] == world.passages[int(hits[0]["document"]["id"])]
-        assert hits[0]["document"]["contents"].startswith(f'"{question.subject}"')
+        assert hits[0]["document"]["contents"].startswith(f"{question.subject}\n")
 
 
 @pytest.mark.parametrize("body_extra", [{"return_scores": False}, {}])
@@ -90,7 +90,7 @@ async def test_search_r1_formatting_matches_the_agent_formatter(
             f"\n\n<information>{expected.strip()}</information>\n\n"
         )
         first = hits[0]["document"]["contents"].split("\n", 1)[1]
-        assert expected.startswith(f'Doc 1(Title: "{question.subject}") {first}\nDoc 2(Title: "')
+        assert expected.startswith(f"Doc 1(Title: {question.subject}) {first}\nDoc 2(Title: ")
     multi_line = [{"document": {"id": "9", "contents": '"T"\nline one\nline two'}, "score": 1.0}]
     assert format_documents(multi_line) == passages2string(multi_line).strip()
     assert format_documents(multi_line) == 'Doc 1(Title: "T") line one\nline two'
@@ -100,7 +100,7 @@ async def test_the_client_searches_and_formats(client: httpx.AsyncClient, world:
     question = one_hop(world, 1)[0]
     retrieval = RetrievalClient("http://retrieval", client=client)
     text = await retrieval.search(question.text)
-    assert text.startswith(f'Doc 1(Title: "{question.subject}") ') and text.count("\nDoc ") == 2
+    assert text.startswith(f"Doc 1(Title: {question.subject}) ") and text.count("\nDoc ") == 2
     assert question.answers[0] in text.split("\n")[0]
     info = await retrieval.info()
     assert info.backend == "bm25" and info.corpus_size == len(world.passages)

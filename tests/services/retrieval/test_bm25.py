@@ -123,14 +123,15 @@ def test_world_questions_find_the_passage_that_states_the_fact(world: World) -> 
     first_has_answer = 0
     for question, hits in zip(one_hop, results, strict=True):
         titles = [h["document"]["contents"].split("\n")[0] for h in hits]
-        assert f'"{question.subject}"' in titles, question.text
+        assert question.subject in titles, question.text
         first_has_answer += question.answers[0] in hits[0]["document"]["contents"]
     assert first_has_answer / len(one_hop) >= 0.98
 
 
 def test_larger_world_still_exact(tmp_path: Path) -> None:
-    world = World.generate(WorldConfig(seed=3, people=1500, cities=100, orgs=100))
-    index = Bm25Index.build([p["contents"] for p in world.passages])
+    worlds = [World.generate(WorldConfig(seed=seed)) for seed in range(3, 13)]  # 1,260 passages
+    world = worlds[0]
+    index = Bm25Index.build([p["contents"] for w in worlds for p in w.passages])
     assert index.essential_df < index.size  # frequent terms really are looked up, not scanned
     for query in random_queries(world, 3, 40):
         assert_same_hits(index.search([query], 3)[0], exhaustive_top_k(index, query, 3))
