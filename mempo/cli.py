@@ -43,20 +43,31 @@ def fail(message: str) -> None:
 
 @tiny_app.command("build")
 def tiny_build(
-    out: Annotated[Path, typer.Option(help="output folder (HF format)")],
-    preset: Annotated[str, typer.Option(help="test (random weights, seconds) | reader (reading drills, about 2 minutes)")] = "test",
+    out: Annotated[Path | None, typer.Option(help="output folder (HF format)")] = None,
+    preset: Annotated[str, typer.Option(help="test (random weights, seconds) | reader (reading drills, about 4 minutes)")] = "test",
     seed: Annotated[int, typer.Option(help="weight initialisation seed")] = 0,
+    ship: Annotated[bool, typer.Option(help="write it to mempo/assets/, where every run finds it (then commit it)")] = False,
 ) -> None:
     """Build the tiny model and tokenizer locally (no download)."""
+    import shutil
     from dataclasses import replace
 
-    from mempo.tiny import PRESETS, build_tiny
+    from mempo.tiny import ASSETS, PRESETS, build_tiny, shipped
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    if (out is None) == (not ship):
+        fail("give --out DIR or --ship (not both)")
     configure_logging()
     quiet_hub()
-    path = build_tiny(out, replace(PRESETS[preset], seed=seed))
+    config = replace(PRESETS[preset], seed=seed)
+    if ship:
+        out = shipped(config)
+        stale = [p for p in ASSETS.glob("tiny-*") if p.name != out.name]
+        for path in stale:  # one shipped build: older recipes are never found again
+            shutil.rmtree(path)
+    assert out is not None
+    path = build_tiny(out, config)
     typer.echo(str(path))
 
 

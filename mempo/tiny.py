@@ -64,9 +64,9 @@ class TinyConfig:
 PRESETS: dict[str, TinyConfig] = {
     # Random weights: the tests' model (built in seconds).
     "test": TinyConfig(),
-    # The demo's and the learning proof's base: the same network after 600 steps of
-    # reading drills (mempo/pretrain.py, about 2 minutes on 2 cores; docs/results.md).
-    "reader": TinyConfig(pretrain_steps=600),
+    # The demo's and the learning proof's base: the same network after 1,200 steps of
+    # reading drills (mempo/pretrain.py, about 4 minutes on 2 cores; docs/results.md).
+    "reader": TinyConfig(pretrain_steps=1200),
 }
 
 
@@ -201,9 +201,8 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
         from mempo.pretrain import drill_accuracy, drill_texts, pretrain
 
         log.info("pretraining the tiny model: %d steps of reading drills", config.pretrain_steps)
-        pretrain(model, tokenizer, drill_texts(config.pretrain_worlds, seed=config.seed), config.pretrain_steps)
-        log.info("reading-drill answer accuracy on world %d: %.2f", config.world_seed,
-                 drill_accuracy(model, tokenizer, config.world_seed))
+        pretrain(model, tokenizer, drill_texts(config.pretrain_worlds, seed=config.seed), config.pretrain_steps,
+                 log_every=100, probe=lambda: drill_accuracy(model, tokenizer, config.world_seed, count=50))
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -235,13 +234,27 @@ def make_world_readable(directory: Path) -> None:
             log.warning("cannot chmod %s: %s", path, exc)
 
 
+ASSETS = Path(__file__).parent / "assets"  # shipped builds, tiny-<key> as in the cache
+
+
+def shipped(config: TinyConfig, texts: list[str] | None = None) -> Path:
+    """Where the build of ``config`` is shipped with the package (it may not be)."""
+    return ASSETS / f"tiny-{config.key(texts)}"
+
+
 def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path:
-    """The tiny model for ``config`` under ``cache_dir``, built once (atomic rename)."""
+    """The tiny model for ``config``: the shipped build when there is one for this exact
+    recipe (the pretrained ``reader`` takes minutes to build), else built once under
+    ``cache_dir`` (atomic rename)."""
     config = config or TinyConfig()
     texts = training_texts(config.world_seed)
+    if (shipped(config, texts) / "model.safetensors").exists():
+        return shipped(config, texts)
     final = Path(cache_dir) / f"tiny-{config.key(texts)}"
     if (final / "model.safetensors").exists():
         return final
+    if config.pretrain_steps:
+        log.warning("no shipped build of this pretrained tiny model: building it (minutes) in %s", final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
     try:

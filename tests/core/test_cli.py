@@ -47,6 +47,8 @@ def test_plot_refuses_a_folder_without_figures(tmp_path: Path, content: str | No
         (["up", "--model", "/nonexistent"], "not an HF model folder"),
         (["eval", "--model", "/nonexistent"], "not an HF model folder"),
         (["tiny", "build", "--out", "x", "--preset", "huge"], "unknown preset"),
+        (["tiny", "build"], "give --out DIR or --ship"),
+        (["tiny", "build", "--out", "x", "--ship"], "give --out DIR or --ship"),
         (["world", "corpus", "--out", "x.jsonl", "--people", "400"], "pool names"),
     ],
 )

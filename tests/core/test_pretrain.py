@@ -10,6 +10,7 @@ import torch
 
 from mempo.pretrain import (
     FIRST_WORLD,
+    answer_weights,
     cosine_schedule,
     drill_accuracy,
     drill_texts,
@@ -53,6 +54,12 @@ def test_pretraining_lowers_the_loss(tiny_model_dir: Any, tokenizer: Any) -> Non
     assert 0.0 <= drill_accuracy(model, tokenizer, count=10) <= 1.0
     with pytest.raises(ValueError, match="fits in"):
         pretrain(model, tokenizer, ["long " * 200], steps=1, length=64)
+
+
+def test_answers_weigh_more() -> None:
+    ids = torch.tensor([[5, 7, 8, 9, 7, 8, 3], [7, 8, 7, 8, 9, 9, 9]])  # 7 8 = "Answer" ":"
+    expected = torch.tensor([[1, 1, 1, 10, 1, 1, 10], [1, 1, 10, 1, 10, 1, 1]], dtype=torch.float32)
+    assert torch.equal(answer_weights(ids, answer=7, colon=8, weight=10.0), expected)
 
 
 def test_rows_hold_whole_texts() -> None:

@@ -109,3 +109,16 @@ def test_vocabulary_covers_the_learner_tests_random_ids(tokenizer: Any) -> None:
     from tests.services.learner.service_support import VOCAB
 
     assert len(tokenizer) > VOCAB
+
+
+def test_the_reader_is_shipped_for_the_current_recipe(tmp_path: Path) -> None:
+    """The pretrained policy base takes minutes to build: every run must find it shipped.
+    A change to the world, the oracle's texts or the recipe changes its key; then rebuild
+    it with `mempo tiny build --preset reader --ship` and commit mempo/assets/."""
+    from mempo.tiny import ASSETS, PRESETS, ensure_tiny, shipped
+
+    reader = shipped(PRESETS["reader"])
+    assert (reader / "model.safetensors").is_file(), "run: mempo tiny build --preset reader --ship"
+    assert sorted(p.name for p in ASSETS.glob("tiny-*")) == [reader.name]  # no stale build
+    assert json.loads((reader / "tiny_config.json").read_text())["pretrain_steps"] == PRESETS["reader"].pretrain_steps
+    assert ensure_tiny(tmp_path, PRESETS["reader"]) == reader and not any(tmp_path.iterdir())
