@@ -106,6 +106,7 @@ def up(
     lr: Annotated[float, typer.Option(min=0, help="learning rate, constant after --warmup-steps")] = 3e-4,
     warmup_steps: Annotated[int, typer.Option(min=0, help="optimizer steps of linear warmup")] = 0,
     ppo_epochs: Annotated[int, typer.Option(min=1, help="passes over each step's batch (2 mini-batches each)")] = 2,
+    beta_kl: Annotated[float, typer.Option(min=0, help="weight of the KL penalty to the starting policy")] = 0.02,
     alpha: Annotated[float, typer.Option(min=0, help="memory advantage weight: 0 = plain GRPO, 1 = MemPO")] = 0.0,
     mem_min_std: Annotated[
         float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0.05)")
@@ -122,7 +123,8 @@ def up(
 
     The defaults are the recipe that learns on the tiny model (docs/results.md): plain
     GRPO (--alpha 1 for MemPO's memory advantage) on 1-question tasks, 8 groups of 8
-    rollouts a step, 2 PPO epochs, negative advantages scaled by 0.2, 30 steps."""
+    rollouts a step, 2 PPO epochs, KL to the starting policy 0.02, negative advantages
+    scaled by 0.2, 30 steps."""
     import time
 
     from mempo.launcher.up import UpOptions, run_up
@@ -140,8 +142,8 @@ def up(
         name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
-        lr=lr, warmup_steps=warmup_steps, ppo_epochs=ppo_epochs, alpha=alpha, mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale,
-        seed=seed, display=display,
+        lr=lr, warmup_steps=warmup_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl, alpha=alpha,
+        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, seed=seed, display=display,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart())
     try:

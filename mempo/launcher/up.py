@@ -43,6 +43,7 @@ class UpOptions:
     lr: float | None = None
     warmup_steps: int | None = None
     ppo_epochs: int | None = None  # passes over each step's batch
+    beta_kl: float | None = None  # weight of the KL penalty to the reference (the starting policy)
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
     mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
     neg_adv_scale: float | None = None  # negative advantages multiplied by this
@@ -137,6 +138,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
         MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
         MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps, MEMPO_LEARNER_TRAINER__PPO_EPOCHS=opts.ppo_epochs,
+        MEMPO_LEARNER_TRAINER__BETA_KL=opts.beta_kl,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
         MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
         MEMPO_LEARNER_TRAINER__NEG_ADV_SCALE=opts.neg_adv_scale,
