@@ -9,7 +9,7 @@ is ``shutil.copytree`` of the published folder. Each publish is checked: every
 process's ``/model_info`` must report the new version. Prints one JSON line:
 {"publish_s", "copy_s", "ratio", ...}. Goal: ratio <= 2.
 
-    python benchmarks/weight_publish.py [--preset medium|small|test] [--reps 5]
+    python benchmarks/weight_publish.py [--preset medium|reader|test] [--reps 5]
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class HeldOut:
 
 
 def heldout_key(opts: EvalOptions = HELDOUT) -> str:
-    spec = json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(opts).items()}, sort_keys=True)
+    spec = json.dumps(asdict(opts), sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
 
