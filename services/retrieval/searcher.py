@@ -7,7 +7,6 @@ import logging
 from collections.abc import Sequence
 
 from mempo.api.retrieval import (
-    Document,
     RetrievalInfo,
     RetrieveRequest,
     RetrieveResponse,
@@ -24,7 +23,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 def check_limits(request: RetrieveRequest, settings: RetrievalSettings) -> None:
-    """413 for too many queries, 422 for a query too long or a topk too large."""
+    """413 for too many queries or results (queries x topk), 422 for a query too long or a
+    topk too large."""
     count = len(request.queries)
     if count > settings.max_queries:
         raise TooLarge(f"queries: {count} queries exceed max_queries={settings.max_queries}")
@@ -36,6 +36,12 @@ def check_limits(request: RetrieveRequest, settings: RetrievalSettings) -> None:
             )
     if request.topk is not None and request.topk > settings.max_topk:
         raise BadInput(f"topk: {request.topk} exceeds max_topk={settings.max_topk}")
+    results = count * (request.topk or settings.default_topk)
+    if results > settings.max_results:
+        raise TooLarge(
+            f"queries x topk: {count} x {request.topk or settings.default_topk} = {results} results "
+            f"exceed max_results={settings.max_results}"
+        )
 
 
 class RetrievalService:
@@ -116,9 +122,7 @@ class RetrievalService:
             raise NotReady(self.readiness()[1] or "not ready")
         k = request.topk or self.settings.default_topk
         results = await self.executor.run(request.queries, k)
-        if request.return_scores:
-            return RetrieveResponse(result=results)
-        return RetrieveResponse(result=_bare(results))
+        return await asyncio.to_thread(_answer, results, request.return_scores)  # pydantic builds it
 
     def info(self) -> RetrievalInfo:
         if self.index is None:
@@ -139,5 +143,7 @@ class RetrievalService:
         )
 
 
-def _bare(results: Sequence[Sequence[ScoredDocument]]) -> list[list[Document]]:
-    return [[item.document for item in hits] for hits in results]
+def _answer(results: Sequence[Sequence[ScoredDocument]], scores: bool) -> RetrieveResponse:
+    if scores:
+        return RetrieveResponse(result=[list(hits) for hits in results])
+    return RetrieveResponse(result=[[item.document for item in hits] for hits in results])

@@ -54,6 +54,12 @@ class RetrievalSettings(ServiceSettings):
     max_query_chars: int = Field(default=2048, ge=1)
     """Longest query in characters (422 above)."""
 
+    max_results: int = Field(default=16384, ge=1)
+    """Most results one request may ask for, queries x topk (413 above). Each result is a
+    whole passage in the answer, so this bounds the answer's size and the work it buys
+    (wiki-18 passages are about 0.6 KB: 16,384 results, about 10 MB). The default admits
+    max_queries queries at topk 4; Search-R1 asks for topk 3."""
+
     batch_max_queries: int = Field(default=512, ge=1)
     """Concurrent requests are merged into one search of at most this many queries
     (a single larger request still runs, alone)."""

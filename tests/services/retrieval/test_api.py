@@ -152,6 +152,12 @@ async def test_metrics_count_requests_queries_and_latency(client: httpx.AsyncCli
             "queries.1: 2049 characters exceed max_query_chars=2048",
         ),
         ({"queries": ["a"] * 4097}, 413, "queries: 4097 queries exceed max_queries=4096"),
+        (
+            {"queries": ["twenty characters ab"] * 4096, "topk": 100},  # 0.1 MB asking for 240 MB
+            413,
+            "queries x topk: 4096 x 100 = 409600 results exceed max_results=16384",
+        ),
+        ({"queries": ["a"] * 4097, "topk": 100}, 413, "queries: 4097 queries exceed max_queries"),
         ([{"queries": ["a"]}], 422, "body: Input should be a valid dictionary"),
     ],
 )
@@ -175,6 +181,12 @@ async def test_malformed_and_oversized_bodies(serve: Serve) -> None:
         assert huge.status_code == 413 and "4096 bytes" in huge.json()["message"]
         many = await client.post("/retrieve", json={"queries": ["x"] * 9})
         assert many.status_code == 413 and "max_queries=8" in many.json()["message"]
+
+    async with serve(max_results=6) as client:  # queries x topk, topk null: default_topk (3)
+        assert (await client.post("/retrieve", json={"queries": ["x", "y"]})).status_code == 200
+        three = await client.post("/retrieve", json={"queries": ["x", "y", "z"]})
+        assert three.status_code == 413 and "3 x 3 = 9 results exceed max_results=6" in three.json()["message"]
+        assert (await client.post("/retrieve", json={"queries": ["x"] * 6, "topk": 1})).status_code == 200
         assert (await client.get("/retrieve")).status_code == 405
         assert (await client.get("/nowhere")).status_code == 404
 
