@@ -112,6 +112,7 @@ class LearnerLoop:
             timeout_s=settings.publish_timeout_s,
             keep_versions=settings.keep_versions,
             role_tokens=settings.role_tokens(),
+            protected=settings.model_path,  # the base model may live in the weights root (v0)
         )
         loop = cls(settings, queue, trainer, consumer, admission, publisher, metrics)
         if resumed:

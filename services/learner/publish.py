@@ -80,9 +80,12 @@ class WeightPublisher:
         keep_versions: int = 2,
         max_parallel: int = 64,
         role_tokens: Mapping[str, str | None] | None = None,
+        protected: Path | str | None = None,
     ) -> None:
         """``role_tokens``: the admin token per registry role ("rollout": the workers',
-        "scorer": the scorer's); a role not in it gets ``admin_token``."""
+        "scorer": the scorer's); a role not in it gets ``admin_token``. ``protected``: a
+        folder never deleted (the base model the services started from, which may be a
+        version folder such as ``weights/v0``)."""
         if keep_versions < 1:
             raise ValueError("keep_versions must be at least 1 (the current version)")
         self.queue = queue
@@ -91,6 +94,7 @@ class WeightPublisher:
         self.role_tokens = dict(role_tokens or {})
         self.timeout_s = timeout_s
         self.keep_versions = keep_versions
+        self.protected = Path(protected).resolve() if protected else None
         self._parallel = asyncio.Semaphore(max_parallel)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
@@ -180,14 +184,19 @@ class WeightPublisher:
         return (error[:500] if error else None), time.perf_counter() - started
 
     def remove_unused(self, version: int, in_use: set[int]) -> list[int]:
-        """Delete versions older than the last ``keep_versions`` that no engine serves."""
+        """Delete versions older than the last ``keep_versions`` that no engine serves,
+        except the protected folder (or one holding it)."""
         keep = set(range(version - self.keep_versions + 1, version + 1)) | in_use
         removed = []
         for number in self.versions():
-            if number < version and number not in keep:
+            if number < version and number not in keep and not self._holds_protected(number):
                 shutil.rmtree(self.version_dir(number), ignore_errors=True)
                 removed.append(number)
         return removed
+
+    def _holds_protected(self, version: int) -> bool:
+        folder = self.version_dir(version).resolve()
+        return self.protected is not None and (self.protected == folder or folder in self.protected.parents)
 
     def versions(self) -> list[int]:
         """The versions present under the weights root, ascending."""

@@ -179,6 +179,25 @@ async def test_old_versions_are_removed_unless_an_engine_serves_them(
         await publisher.aclose()
 
 
+async def test_the_base_model_is_never_removed_even_as_a_version(
+    redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path, engines: list[StandInEngine]
+) -> None:
+    """MODEL=/weights/v0 (a layout services/rollout/entrypoint.sh suggests): v0 is kept
+    however old, so a restarted learner, scorer or worker can still start from it."""
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await _register(queue, engines[:1])
+    base = tmp_path / "w" / "v0"
+    shutil.copytree(tiny_model_dir, base)
+    publisher = WeightPublisher(queue, tmp_path / "w", admin_token=TOKEN, keep_versions=2, protected=base)
+    exporter = CopyExporter(tiny_model_dir)
+    try:
+        for version in (1, 2, 3, 4):
+            await publisher.publish(exporter, version)
+        assert publisher.versions() == [0, 3, 4] and (base / "model.safetensors").is_file()
+    finally:
+        await publisher.aclose()
+
+
 async def test_a_failed_export_publishes_nothing(
     redis_client: object,
     keys: Keys,
