@@ -175,17 +175,23 @@ class TokenIds(PackedArray):
             raise ValueError("token ids must lie in [0, 2**31 - 1]")
 
 
+# The lowest log-prob a record may carry. A sampled token's log-prob is never near it (a
+# token of probability e^-100 is never drawn), and it is far from where sums and
+# differences of log-probs overflow a float (-1e308 made the learner's metrics null).
+LOGPROB_FLOOR = -1e4
+
+
 class LogProbs(PackedArray):
-    """Log-probabilities as float64 (so packing is lossless), each finite and <= 0."""
+    """Log-probabilities as float64 (so packing is lossless), each in [LOGPROB_FLOOR, 0]."""
 
     dtype = "<f8"
     kinds = "iuf"
-    json_item: ClassVar[dict[str, Any]] = {"type": "number", "maximum": 0}
+    json_item: ClassVar[dict[str, Any]] = {"type": "number", "minimum": LOGPROB_FLOOR, "maximum": 0}
 
     @classmethod
     def _check(cls, array: np.ndarray) -> None:
-        if array.size and not (np.isfinite(array).all() and array.max() <= 0.0):
-            raise ValueError("log-probs must be finite and <= 0")
+        if array.size and not (np.isfinite(array).all() and array.min() >= LOGPROB_FLOOR and array.max() <= 0.0):
+            raise ValueError(f"log-probs must be finite and in [{LOGPROB_FLOOR:g}, 0]")
 
 
 class Sidecar:

@@ -22,6 +22,7 @@ SCHEMA_VERSION = 2
 # valid: they were sampled at temperature 1, the only setting the learner could match).
 READABLE_VERSIONS = (1, 2)
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (SGLang's threshold)
+MAX_TEMPERATURE = 100.0  # a record sampled hotter is refused (no rollout samples there; 1e308 overflowed the learner)
 
 Mode = Literal["memory", "full"]
 Action = Literal["search", "answer", "invalid"]
@@ -164,6 +165,8 @@ class Group(Record):
     temperature: float = Field(
         default=1.0,
         ge=0.0,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
         description="the sampling temperature of the rollouts (0: greedy); the engines' "
         "log-probs are of log_softmax(logits / T) and the learner recomputes them alike",
     )

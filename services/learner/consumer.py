@@ -139,6 +139,11 @@ class GroupConsumer:
             if self.validate is not None and (why := self.validate(delivery.record)):
                 await self._dead_letter(delivery, why)
                 continue
+            if delivery.record.policy_version > version:  # no engine serves a version not yet published
+                await self._dead_letter(
+                    delivery, f"policy_version {delivery.record.policy_version} is ahead of the learner's {version}"
+                )
+                continue
             reason = self._drop_reason(delivery.record, version)
             if reason is None:
                 self._batch.deliveries.append(delivery)

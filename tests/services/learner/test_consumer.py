@@ -121,9 +121,11 @@ def _poisoned_sidecar(group: Group, value: float) -> tuple[str, bytes]:
         ("p_full", "1.5"),
         ("logprob", "NaN"),
         ("logprob", "0.5"),
+        ("logprob", "-1e308"),
         ("sidecar", "NaN"),
         ("sidecar", "Infinity"),
         ("sidecar", "0.25"),
+        ("sidecar", "-1e308"),
     ],
 )
 async def test_out_of_range_numbers_are_dead_lettered_with_a_reason(
@@ -144,6 +146,33 @@ async def test_out_of_range_numbers_are_dead_lettered_with_a_reason(
     assert "malformed Group record" in dead["reason"]
     named = {"sidecar": "log-probs", "logprob": "log-probs"}.get(where, where)
     assert named in dead["reason"], dead["reason"]
+
+
+@pytest.mark.parametrize("value", ["1e308", "Infinity", "NaN", "101"])
+async def test_a_temperature_no_engine_samples_at_is_dead_lettered(
+    redis_client: object, keys: Keys, value: str
+) -> None:
+    queue = await _queue(redis_client, keys)
+    consumer = _consumer(queue, batch=1)
+    data = make_group(_task(1)).model_dump(mode="json")
+    data["temperature"] = "@"
+    await queue.redis.xadd(keys.groups, {"data": json.dumps(data).replace('"@"', value)})
+    await queue.publish_group(make_group(_task(2)))
+    batch = await consumer.next_batch(version=0, block_ms=None)
+    assert batch is not None and batch.group_ids == ["g2"]
+    (dead,) = await queue.dead_letters()
+    assert "temperature" in dead["reason"], dead["reason"]
+
+
+async def test_a_group_from_a_future_version_is_dead_lettered(redis_client: object, keys: Keys) -> None:
+    queue = await _queue(redis_client, keys)
+    consumer = _consumer(queue, batch=1, staleness=1)
+    await queue.publish_group(make_group(_task(1), policy_version=10**12))
+    await queue.publish_group(make_group(_task(2), policy_version=5))
+    batch = await consumer.next_batch(version=5, block_ms=None)
+    assert batch is not None and batch.group_ids == ["g2"]
+    (dead,) = await queue.dead_letters()
+    assert "policy_version 1000000000000 is ahead of the learner's 5" in dead["reason"]
 
 
 async def test_a_restart_reads_its_pending_groups_first(redis_client: object, keys: Keys) -> None:
