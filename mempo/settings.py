@@ -65,8 +65,9 @@ PLACEHOLDER_MARK = "change-me"  # the .env.example values
 
 
 def weak_secret(settings: BaseSettings) -> str | None:
-    """Why a configured secret must not be used (a placeholder, or too short), naming the
-    setting and never any part of the value; None when every configured secret is fine.
+    """Why a configured secret must not be used (a placeholder, whitespace at either end, or
+    too short), naming the setting and never any part of the value; None when every
+    configured secret is fine.
 
     Secrets are the SecretStr fields and the password inside a ``*redis_url``."""
     prefix = str(settings.model_config.get("env_prefix", ""))
@@ -88,6 +89,8 @@ def weak_secret(settings: BaseSettings) -> str | None:
             continue
         if PLACEHOLDER_MARK in secret.lower():
             return f"{where} holds a placeholder ({PLACEHOLDER_MARK}-...): set a long random value"
+        if secret != secret.strip():  # "               x" passed the length rule
+            return f"{where}: a secret must not start or end with whitespace"
         if len(secret) < MIN_SECRET_CHARS:
             return f"{where}: a secret needs at least {MIN_SECRET_CHARS} characters"
     return None

@@ -27,6 +27,8 @@ SPECIAL = "a/b#c?d@e:f%g \"h\\i" + secrets.token_hex(8)
     [
         (ScorerSettings(admin_token="change-me-admin-token"), "MEMPO_SCORER_ADMIN_TOKEN", "placeholder"),  # type: ignore[arg-type]
         (EngineSettings(admin_token="short-token"), "MEMPO_ENGINE_ADMIN_TOKEN", "16 characters"),  # type: ignore[arg-type]
+        (EngineSettings(admin_token=" " * 15 + "x"), "MEMPO_ENGINE_ADMIN_TOKEN", "whitespace"),  # type: ignore[arg-type]
+        (ScorerSettings(admin_token=GOOD + "\n"), "MEMPO_SCORER_ADMIN_TOKEN", "whitespace"),  # type: ignore[arg-type]
         (WorkerSettings(engine_admin_token="CHANGE-ME-x" * 3), "MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN", "placeholder"),  # type: ignore[arg-type]
         (LearnerSettings(worker_admin_token="tiny"), "MEMPO_LEARNER_WORKER_ADMIN_TOKEN", "16"),  # type: ignore[arg-type]
         (LearnerSettings(redis_password="change-me-redis-password"), "MEMPO_LEARNER_REDIS_PASSWORD", "placeholder"),  # type: ignore[arg-type]
