@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.api.retrieval import RetrievalInfo, RetrieveRequest, RetrieveResponse
 from mempo.service import ErrorBody, Metrics, install_common
@@ -26,13 +25,10 @@ router = APIRouter()
 
 
 @router.post("/retrieve", response_model=RetrieveResponse, responses=ERRORS, tags=["search"])
-async def retrieve(body: RetrieveRequest, service: ServiceDep) -> Response:
+async def retrieve(body: RetrieveRequest, service: ServiceDep) -> RetrieveResponse:
     """Search-R1's retriever: top-k documents per query (``{document, score}`` items when
     ``return_scores`` is true, bare documents otherwise)."""
-    answer = await service.retrieve(body)
-    # Up to max_results passages: serialised in a worker thread, so /health and the other
-    # requests are not held while a large answer is written.
-    return Response(await asyncio.to_thread(answer.model_dump_json), media_type="application/json")
+    return await service.retrieve(body)
 
 
 @router.get("/v1/info", response_model=RetrievalInfo, responses=ERRORS, tags=["search"])

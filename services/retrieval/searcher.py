@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from mempo.api.retrieval import (
+    Document,
     RetrievalInfo,
     RetrieveRequest,
     RetrieveResponse,
@@ -122,7 +123,9 @@ class RetrievalService:
             raise NotReady(self.readiness()[1] or "not ready")
         k = request.topk or self.settings.default_topk
         results = await self.executor.run(request.queries, k)
-        return await asyncio.to_thread(_answer, results, request.return_scores)  # pydantic builds it
+        if request.return_scores:
+            return RetrieveResponse(result=results)
+        return RetrieveResponse(result=_bare(results))
 
     def info(self) -> RetrievalInfo:
         if self.index is None:
@@ -143,7 +146,5 @@ class RetrievalService:
         )
 
 
-def _answer(results: Sequence[Sequence[ScoredDocument]], scores: bool) -> RetrieveResponse:
-    if scores:
-        return RetrieveResponse(result=[list(hits) for hits in results])
-    return RetrieveResponse(result=[[item.document for item in hits] for hits in results])
+def _bare(results: Sequence[Sequence[ScoredDocument]]) -> list[list[Document]]:
+    return [[item.document for item in hits] for hits in results]

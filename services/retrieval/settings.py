@@ -57,8 +57,9 @@ class RetrievalSettings(ServiceSettings):
     max_results: int = Field(default=16384, ge=1)
     """Most results one request may ask for, queries x topk (413 above). Each result is a
     whole passage in the answer, so this bounds the answer's size and the work it buys
-    (wiki-18 passages are about 0.6 KB: 16,384 results, about 10 MB). The default admits
-    max_queries queries at topk 4; Search-R1 asks for topk 3."""
+    (16,384 results: 3.6 MB and 0.6 s on the built-in world, measured; about 10 MB of
+    wiki-18's ~0.6 KB passages). The default admits max_queries queries at topk 4;
+    Search-R1 asks for topk 3."""
 
     batch_max_queries: int = Field(default=512, ge=1)
     """Concurrent requests are merged into one search of at most this many queries
