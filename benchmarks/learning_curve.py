@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from mempo.advantages import MEM_MIN_STD
-from mempo.launcher.plots import read_metrics
+from mempo.launcher.plots import moving_average, read_metrics
 from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
 
 MEMPO = [sys.executable, "-m", "mempo.cli"]
@@ -89,10 +89,6 @@ def train(name: str, sft: Path, alpha: float, args: argparse.Namespace) -> tuple
     return run_dir / "weights" / f"v{done['version']}", float(done["minutes"])
 
 
-def smooth(values: list[float], window: int = 5) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-
-
 def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
     import matplotlib
 
@@ -106,7 +102,7 @@ def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
         steps = [r["step"] for r in rows]
         for ax, key in zip(axes[:2], ("correct_rate", "p_mem_mean"), strict=True):
             values = [float(r.get(key) or 0.0) for r in rows]
-            ax.plot(steps, smooth(values), label=label)
+            ax.plot(steps, moving_average(values, 5), label=label)
     axes[0].set(title="Training EM (rollouts, 5-step mean)", xlabel="step")
     axes[1].set(title="Training P_mem (5-step mean)", xlabel="step")
     names = ["sft", "mempo", "grpo"]

@@ -14,11 +14,15 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mempo.settings import configure_logging, quiet_hub
+
+if TYPE_CHECKING:
+    from mempo.launcher.heldout import HeldOut
+    from mempo.launcher.up import UpOptions
 
 app = typer.Typer(
     name="mempo",
@@ -162,7 +166,7 @@ def up(
     typer.echo(json.dumps(report, indent=1))
 
 
-def _heldout(policy: Path, out: Path, cached: bool) -> Any:
+def _heldout(policy: Path, out: Path, cached: bool) -> HeldOut:
     """The held-out score of ``policy`` (cached in its folder when ``cached``), shown."""
     from mempo.launcher.heldout import cached_heldout_score, heldout_score
 
@@ -175,7 +179,7 @@ def _heldout(policy: Path, out: Path, cached: bool) -> Any:
     return score
 
 
-def _up_report(opts: Any, final: dict[str, Any], start: Any, end: Any) -> dict[str, Any]:
+def _up_report(opts: UpOptions, final: dict[str, Any], start: HeldOut | None, end: HeldOut | None) -> dict[str, Any]:
     """Write the run's heldout.json and plots; the final JSON of ``mempo up``."""
     from dataclasses import asdict
 

@@ -4,9 +4,9 @@ A randomly initialised network cannot copy: it has no induction heads (attend to
 the current pattern occurred before, predict what followed it), and an agent needs them
 to carry a name from a search result into its memory and its answer. Real policies start
 from pretrained LMs; this gives the tiny one a start of that kind, on worlds other than
-the agent's (seeds from ``FIRST_WORLD``). A drill is a top-3 search result for a random
-entity followed by every 1-hop question about those passages, each with its answer, or
-in the agent's order: ``Question: q``, the documents, ``Answer: a``. Every name is one
+the agent's (seeds from ``FIRST_WORLD``). A drill is in the agent's order (``Question:
+q``, the top-3 search result for its subject, ``Answer: a``), or a search result for a
+random entity followed by every 1-hop question about its passages with their answers. Every name is one
 token (mempo/lexicon.py), so answering a drill is one copy. The loss is the language
 model's on all of it, with each answer weighted 10 times (``answer_weights``): unweighted,
 the tiny model learns to copy names in ~300 steps but not which name a question asks
@@ -83,28 +83,34 @@ def world_drills(world: Any, search: Any, count: int, rng: random.Random) -> lis
     return drills
 
 
-def drill_accuracy(model: Any, tokenizer: Any, world_seed: int = 0, count: int = 100, seed: int = 0) -> float:
-    """How often the model's most likely next token after ``Answer:`` is the answer, on
-    ``count`` drills in the agent's order from world ``world_seed`` (greedy, one token)."""
-    import torch
-
+def probe_drills(world_seed: int = 0, count: int = 100, seed: int = 0) -> list[str]:
+    """``count`` drills in the agent's order from world ``world_seed`` (the agent's own
+    world by default: pretraining never sees it), for ``drill_accuracy``."""
     from mempo.bm25 import LocalSearch
     from mempo.world import World, WorldConfig
 
     world = World.generate(WorldConfig(seed=world_seed))
-    rng = random.Random(seed)
+    search, rng = LocalSearch(world.passages), random.Random(seed)
     drills: list[str] = []
     while len(drills) < count:
-        drills.extend(d for d in world_drills(world, LocalSearch(world.passages), count, rng) if d.startswith("Question"))
+        drills.extend(d for d in world_drills(world, search, count, rng) if d.startswith("Question"))
+    return drills[:count]
+
+
+def drill_accuracy(model: Any, tokenizer: Any, drills: list[str]) -> float:
+    """How often the model's most likely next token after ``Answer:`` is the answer
+    (greedy, one token), over ``drills`` (``probe_drills``)."""
+    import torch
+
     hits = 0
     model.eval()
     with torch.no_grad():
-        for drill in drills[:count]:
+        for drill in drills:
             prompt, answer = drill.rsplit(" ", 1)
             ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])  # (1, T)
             target = tokenizer.encode(" " + answer, add_special_tokens=False)
             hits += int(model(input_ids=ids).logits[0, -1].argmax()) == target[0]
-    return hits / count
+    return hits / len(drills)
 
 
 def pack_rows(texts: list[list[int]], eos: int, length: int) -> list[list[int]]:

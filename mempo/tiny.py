@@ -198,11 +198,12 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
     if config.pretrain_steps:
-        from mempo.pretrain import drill_accuracy, drill_texts, pretrain
+        from mempo.pretrain import drill_accuracy, drill_texts, pretrain, probe_drills
 
         log.info("pretraining the tiny model: %d steps of reading drills", config.pretrain_steps)
+        probe = probe_drills(config.world_seed, count=50)
         pretrain(model, tokenizer, drill_texts(config.pretrain_worlds, seed=config.seed), config.pretrain_steps,
-                 log_every=100, probe=lambda: drill_accuracy(model, tokenizer, config.world_seed, count=50))
+                 log_every=100, probe=lambda: drill_accuracy(model, tokenizer, probe))
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -237,9 +238,9 @@ def make_world_readable(directory: Path) -> None:
 ASSETS = Path(__file__).parent / "assets"  # shipped builds, tiny-<key> as in the cache
 
 
-def shipped(config: TinyConfig, texts: list[str] | None = None) -> Path:
+def shipped(config: TinyConfig) -> Path:
     """Where the build of ``config`` is shipped with the package (it may not be)."""
-    return ASSETS / f"tiny-{config.key(texts)}"
+    return ASSETS / f"tiny-{config.key()}"
 
 
 def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path:
@@ -248,11 +249,11 @@ def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path
     ``cache_dir`` (atomic rename)."""
     config = config or TinyConfig()
     texts = training_texts(config.world_seed)
-    if (shipped(config, texts) / "model.safetensors").exists():
-        return shipped(config, texts)
-    final = Path(cache_dir) / f"tiny-{config.key(texts)}"
-    if (final / "model.safetensors").exists():
-        return final
+    name = f"tiny-{config.key(texts)}"
+    for found in (ASSETS / name, Path(cache_dir) / name):
+        if (found / "model.safetensors").exists():
+            return found
+    final = Path(cache_dir) / name
     if config.pretrain_steps:
         log.warning("no shipped build of this pretrained tiny model: building it (minutes) in %s", final)
     final.parent.mkdir(parents=True, exist_ok=True)

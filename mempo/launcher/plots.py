@@ -47,7 +47,11 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
     """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
-    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+    out = []
+    for i in range(len(values)):
+        recent = values[max(0, i + 1 - window) : i + 1]
+        out.append(sum(recent) / len(recent))
+    return out
 
 
 def read_heldout(path: Path) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from mempo.launcher.plots import moving_average
+
 AVERAGE = 8  # steps in the reward's moving average
 
 # (label, metric key in the learner's last_metrics, format)
@@ -89,8 +91,8 @@ class Progress:
             self.last_step = step
             if isinstance(metrics.get("reward_mean"), (int, float)):
                 self.rewards.append(float(metrics["reward_mean"]))
-            recent = self.rewards[-AVERAGE:]
-            metrics = {**metrics, "reward_avg": sum(recent) / len(recent) if recent else None}
+            average = moving_average(self.rewards, AVERAGE)[-1] if self.rewards else None
+            metrics = {**metrics, "reward_avg": average}
             row = [str(step), *(_fmt(metrics, key, f) for _, key, f in COLUMNS)]
             self.rows.append(row)
             if self.live is None and self.enabled:

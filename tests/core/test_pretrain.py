@@ -16,6 +16,7 @@ from mempo.pretrain import (
     drill_texts,
     pack_rows,
     pretrain,
+    probe_drills,
 )
 
 
@@ -51,7 +52,9 @@ def test_pretraining_lowers_the_loss(tiny_model_dir: Any, tokenizer: Any) -> Non
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     losses = pretrain(model, tokenizer, drill_texts(1, 60), steps=30, batch_size=8, length=128)
     assert len(losses) == 30 and sum(losses[-5:]) < 0.8 * sum(losses[:5])
-    assert 0.0 <= drill_accuracy(model, tokenizer, count=10) <= 1.0
+    drills = probe_drills(count=10)
+    assert len(drills) == 10 and all(d.startswith("Question: ") for d in drills)
+    assert 0.0 <= drill_accuracy(model, tokenizer, drills) <= 1.0
     with pytest.raises(ValueError, match="fits in"):
         pretrain(model, tokenizer, ["long " * 200], steps=1, length=64)
 
