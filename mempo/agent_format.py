@@ -160,8 +160,16 @@ def format_documents(documents: Sequence[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------- scoring contexts
 
 
+ANSWER_THINK = "All questions are answered."  # the thought before an answer (the oracle's too)
+
+
 def answer_cue(tags: Tags = DEFAULT_TAGS) -> str:
-    return tags.open(tags.answer)
+    """What the scoring contexts end with: the agent's own way into an answer, a thought
+    that it has what it needs, then ``<answer>``. The agent always thinks before it acts;
+    with ``<answer>`` right after ``</mem>`` (the cue until 2026-12-06) the SFT policy gave
+    the gold answer P ~ 0.000 even when its memory held it, and 0.89 with this cue
+    (docs/results.md): P_mem measured the cue's strangeness, not the memory."""
+    return f"{tags.open(tags.think)}{ANSWER_THINK}{tags.close(tags.think)}\n{tags.open(tags.answer)}"
 
 
 def memory_piece(memory: str, tags: Tags = DEFAULT_TAGS) -> str:

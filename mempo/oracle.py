@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mempo.agent_format import ANSWER_SEPARATOR, DEFAULT_TAGS, Tags, join_questions
+from mempo.agent_format import ANSWER_SEPARATOR, ANSWER_THINK, DEFAULT_TAGS, Tags, join_questions
 from mempo.world import RELATIONS, Question, World
 
 UNKNOWN = "unknown"
@@ -116,7 +116,7 @@ class Oracle:
         i = self._pending(state, specs)
         if i is None:
             answer = ANSWER_SEPARATOR.join(v[-1] for v in state)
-            think = "All questions are answered."
+            think = ANSWER_THINK
             return (
                 f"{head}{t.open(t.think)}{think}{t.close(t.think)}\n{t.open(t.answer)} {answer}{t.close(t.answer)}",
                 None,

@@ -187,7 +187,7 @@ class TestPrompts:
             assert longer[: len(body)] == body and longer[-len(cue) :] == cue
         assert contexts[0] == first_prompt_ids(tokenizer, self.questions) + cue
         mem = tokenizer.decode(memory_scoring_ids(tokenizer, self.questions, "Q1: a"))
-        assert mem.endswith("<|im_start|>assistant\n<mem>Q1: a</mem>\n<answer>")
+        assert mem.endswith("<|im_start|>assistant\n<mem>Q1: a</mem>\n<think>All questions are answered.</think>\n<answer>")
 
 
 def test_format_documents_like_search_r1() -> None:

@@ -48,7 +48,8 @@ def test_plan_rebuilds_agent_format_contexts(loaded: LoadedModel, world: World) 
                 mem_ctx = fmt.memory_scoring_ids(tok, traj.questions, r.memory)
                 assert all(row.context_of(m.segment) == mem_ctx for m in mem)
         # the trunk is the last round's full context without the cue: one prefix for all
-        assert row.trunk == fmt.full_scoring_ids(tok, traj.questions, transcripts[:-1])[:-1]
+        cue = tok.encode(fmt.answer_cue(), add_special_tokens=False)
+        assert row.trunk == fmt.full_scoring_ids(tok, traj.questions, transcripts[:-1])[: -len(cue)]
 
 
 def _max_diff(a: dict, b: dict) -> float:
