@@ -1,116 +1,194 @@
-"""Learning proof: the tiny agent learns on CPU, and the memory advantage matters.
+"""Learning proof over seeds: held-out EM before and after RL, MemPO against GRPO.
 
-Through the real commands and services, with a fixed seed:
+For each seed s of ``--seed-base`` .. ``--seed-base + --seeds - 1``, through the real
+commands and services:
 
-1. SFT warm start (``mempo sft``) of the tiny policy (preset ``reader``: pretrained,
-   cached) on oracle trajectories of 8 worlds (memory mode; ``--sft-mode both`` adds full);
-2. eval of the SFT policy (``mempo eval``) on held-out tasks (test split: entities the
-   training never asked about), memory mode and full mode, with P_mem scored;
-3. MemPO RL (``mempo up``, memory advantage alpha = 1) for ``--rl-steps`` steps from the
-   SFT policy, then eval of its last weights;
-4. the same RL budget with the memory advantage off (``--alpha 0``: plain GRPO with the
-   same ``<mem>`` format), then eval.
+1. SFT warm start (``mempo sft``, the demo's recipe, mempo.launcher.warmstart) of the
+   tiny ``reader`` policy on oracle trajectories of the seed's 8 worlds (the agent's
+   world ``AGENT_WORLDS + 8 s`` and the next 7; train split only; ``--sft-mode both``:
+   memory and full mode, so full-mode tokens compare like with like); data order seed s;
+2. eval of the SFT policy (``mempo eval``) on the agent world's held-out test split
+   (entities training never asks about), memory and full mode, P_mem scored;
+3. for each arm, ``mempo up`` from the SFT policy (the demo's recipe, ``--rl-steps``
+   steps, sampling seed s) and eval of its last weights. Arms: ``mempo`` (memory
+   advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format).
 
-``--mem-min-std`` passes ``mempo up --mem-min-std`` to the MemPO run (pools whose
-P_mem - P_full std is below it get no memory advantage; default mempo.advantages.MEM_MIN_STD).
+Every phase is skipped when its output exists (rerun the same command to resume), and
+each one's progress is printed to stderr. Prints one JSON line: means over seeds of
+``sft_em``, ``mempo_em``, ``grpo_em`` (memory mode, k = 1: the RL tasks' k),
+``sft_p_mem``, ``mempo_p_mem``, ``grpo_p_mem``, ``mempo_tokens_per_task`` and
+``full_mode_tokens_per_task`` (the MemPO policy in memory and in full mode, at the
+largest evaluated k), ``minutes`` (one seed's whole run), then ``spread`` (standard
+deviation over seeds) and ``per_seed``; ``summary.json`` and ``curves.png`` in ``--out``.
+Goals (issue 24): mempo_em - sft_em >= 0.10; mempo_p_mem > grpo_p_mem; memory-mode tokens
+below full mode's; one seed <= 30 minutes on 2 cores. docs/results.md reads the numbers.
 
-Prints one JSON line {"sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem",
-"grpo_p_mem", "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes", ...}
-(EM and P_mem: held-out memory-mode tasks, greedy decoding; tokens: the MemPO policy in
-memory mode vs the same policy with the full history; minutes: MemPO's RL wall time),
-and writes ``curves.png`` and ``summary.json`` to ``--out``.
-Goals: mempo_em - sft_em >= 0.10 within 30 minutes of RL; mempo_p_mem > grpo_p_mem;
-mempo_tokens_per_task < full_mode_tokens_per_task. docs/results.md reads the numbers.
-
-    python benchmarks/learning_curve.py [--out runs/learning-curve] [--rl-steps 60]
+    python benchmarks/learning_curve.py --seeds 3 --seed-base 1000 [--out runs/learning-curve]
+    python benchmarks/learning_curve.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from mempo.advantages import MEM_MIN_STD
 from mempo.launcher.plots import moving_average, read_metrics
+from mempo.launcher.warmstart import WarmStart, sft_command
+from mempo.pretrain import FIRST_WORLD
 from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
 
 MEMPO = [sys.executable, "-m", "mempo.cli"]
+# Seed s plays in world AGENT_WORLDS + 8 s; its SFT also reads the next 7. Far from the
+# pretraining worlds (FIRST_WORLD, +1, ...: the reader has read their facts).
+AGENT_WORLDS = 100_000
+assert FIRST_WORLD + max(p.pretrain_worlds for p in PRESETS.values()) < AGENT_WORLDS
+ARMS = {"mempo": ["--alpha", "1"], "grpo": ["--alpha", "0"]}
 
 
-def run(step: str, argv: list[str]) -> float:
-    """Run one mempo command, its output passed through; returns its wall minutes."""
-    print(f"[learning-curve] {step}: mempo {' '.join(argv)}", file=sys.stderr, flush=True)
-    started = time.monotonic()
-    subprocess.run([*MEMPO, *argv], check=True, stdout=sys.stderr)
-    return (time.monotonic() - started) / 60
+def log(message: str) -> None:
+    print(f"[learning-curve] {message}", file=sys.stderr, flush=True)
 
 
-def evaluate(model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Held-out figures averaged over --ks: {memory: {em, p_mem, ...}, full: {...}}."""
-    if not (out / "eval.json").exists():
-        run(f"eval {model}", ["eval", "--model", str(model), "--ks", args.ks, "--tasks", str(args.eval_tasks),
-                              "--modes", "memory,full", "--score", "--out", str(out)])  # fmt: skip
-    results = json.loads((out / "eval.json").read_text())["results"]
-    # P_mem is missing for a k where no episode wrote a memory: averaged over the others.
-    return {
-        mode: {
-            key: statistics.fmean(r[key] for r in by_k.values() if key in r)
-            for key in dict.fromkeys(key for r in by_k.values() for key in r)
-        }
-        for mode, by_k in results.items()
-    }
+def run(argv: list[str]) -> None:
+    """One command, its output passed to stderr (the JSON line is this script's stdout)."""
+    log(" ".join(argv[2:] if argv[:2] == MEMPO[:2] else argv))
+    subprocess.run(argv, check=True, stdout=sys.stderr)
 
 
-def train(name: str, sft: Path, alpha: float, args: argparse.Namespace) -> tuple[Path, float]:
-    """MemPO RL (alpha > 0) or plain GRPO (alpha = 0) from the SFT policy; returns the
-    last published weights and the wall minutes of the run."""
-    run_dir = args.out / name
-    summary = run_dir / "up.json"
-    if not summary.exists():
-        minutes = run(name, ["up", "--model", str(sft), "--name", name, "--runs-root", str(args.out),
-                             "--steps", str(args.rl_steps), "--alpha", str(alpha), "--lr", str(args.rl_lr),
-                             "--questions", args.questions, "--group-size", str(args.group_size),
-                             "--batch-groups", str(args.batch_groups), "--seed", str(args.seed),
-                             "--mem-min-std", str(args.mem_min_std), "--no-heldout", "--no-display"])  # fmt: skip
-        version = max(int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit())
-        summary.write_text(json.dumps({"minutes": minutes, "version": version}))
-    done = json.loads(summary.read_text())
-    return run_dir / "weights" / f"v{done['version']}", float(done["minutes"])
+def timed(phase: Path, build: Any) -> float:
+    """Run ``build()`` unless ``phase/done.json`` exists; returns the phase's minutes."""
+    done = phase / "done.json"
+    if not done.exists():
+        started = time.monotonic()
+        build()
+        phase.mkdir(parents=True, exist_ok=True)
+        done.write_text(json.dumps({"minutes": (time.monotonic() - started) / 60}))
+    return float(json.loads(done.read_text())["minutes"])
 
 
-def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
+def sft(folder: Path, spec: WarmStart, preset: str) -> None:
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    run(sft_command(spec, ensure_tiny(default_cache_dir(), PRESETS[preset]), tmp))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def evaluate(model: Path, out: Path, world: int, args: argparse.Namespace) -> None:
+    run([*MEMPO, "eval", "--model", str(model), "--ks", args.ks, "--tasks", str(args.eval_tasks),
+         "--modes", "memory,full", "--score", "--world-seed", str(world), "--out", str(out)])  # fmt: skip
+
+
+def figures(out: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """{mode: {k: {em, f1, p_mem, tokens_per_task, ...}}} of one eval."""
+    return json.loads((out / "eval.json").read_text())["results"]
+
+
+def train(folder: Path, sft_model: Path, arm: str, seed: int, world: int, args: argparse.Namespace) -> None:
+    shutil.rmtree(folder, ignore_errors=True)  # a run cut short starts again
+    run([*MEMPO, "up", "--model", str(sft_model), "--name", folder.name, "--runs-root", str(folder.parent),
+         "--steps", str(args.rl_steps), *ARMS[arm], "--questions", "1", "--group-size", str(args.group_size),
+         "--batch-groups", str(args.batch_groups), "--seed", str(seed), "--world-seed", str(world),
+         "--no-heldout"])  # fmt: skip
+
+
+def last_weights(run_dir: Path) -> Path:
+    versions = [int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+    return run_dir / "weights" / f"v{max(versions)}"
+
+
+def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every phase of one seed; its figures."""
+    world = AGENT_WORLDS + 8 * seed
+    folder = args.out / f"seed-{seed}"
+    spec = replace(WarmStart(), world_seed=world, seed=seed, mode=args.sft_mode, **args.sft_overrides)
+    minutes = {"sft": timed(folder / "sft", lambda: sft(folder / "sft", spec, args.preset))}
+    minutes["eval-sft"] = timed(folder / "eval-sft", lambda: evaluate(folder / "sft", folder / "eval-sft", world, args))
+    evals = {"sft": figures(folder / "eval-sft")}
+    for arm in args.arms:
+        log(f"seed {seed}: {arm} RL ({args.rl_steps} steps)")
+        minutes[arm] = timed(folder / f"{arm}-done", lambda a=arm: train(folder / a, folder / "sft", a, seed, world, args))
+        model = last_weights(folder / arm)
+        minutes[f"eval-{arm}"] = timed(folder / f"eval-{arm}", lambda m=model, a=arm: evaluate(m, folder / f"eval-{a}", world, args))  # fmt: skip
+        evals[arm] = figures(folder / f"eval-{arm}")
+    k1, top = "1", args.ks.split(",")[-1]
+    row: dict[str, Any] = {"seed": seed, "world": world, "minutes": sum(minutes.values())}
+    for name, ev in evals.items():
+        row[f"{name}_em"] = ev["memory"][k1]["em"]
+        row[f"{name}_f1"] = ev["memory"][k1]["f1"]
+        row[f"{name}_p_mem"] = ev["memory"][k1].get("p_mem")
+        row[f"{name}_p_full"] = ev["memory"][k1].get("p_full")
+        row[f"{name}_tokens_per_task"] = ev["memory"][top]["tokens_per_task"]
+        row[f"{name}_full_mode_tokens_per_task"] = ev["full"][top]["tokens_per_task"]
+        row[f"{name}_full_mode_em"] = ev["full"][k1]["em"]
+        for k in args.ks.split(","):
+            row[f"{name}_em_k{k}"] = ev["memory"][k]["em"]
+            row[f"{name}_f1_k{k}"] = ev["memory"][k]["f1"]
+        rl = folder / name / "metrics.jsonl"
+        if rl.exists():
+            rewards = [float(r.get("reward_mean") or 0.0) for r in read_metrics(rl)]
+            quarter = max(1, len(rewards) // 4)
+            row[f"{name}_reward_change"] = statistics.fmean(rewards[-quarter:]) - statistics.fmean(rewards[:quarter])
+    row["full_mode_tokens_per_task"] = row[f"{args.arms[0]}_full_mode_tokens_per_task"]
+    log(f"seed {seed} done: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    return row
+
+
+def summarise(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Means and standard deviations over seeds of every number the seeds share."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and k not in ("seed", "world")]
+    means, spread = {}, {}
+    for key in keys:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            means[key] = statistics.fmean(values)
+            spread[key] = statistics.stdev(values) if len(values) > 1 else 0.0
+    return means, spread
+
+
+def plot(out: Path, rows: list[dict[str, Any]], arms: list[str]) -> Path:
+    """Training reward and P_mem against step (mean over seeds, band: min-max), and
+    held-out EM per policy (each seed a dot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), dpi=110)
-    mempo = f"MemPO (alpha=1{f', min std {min_std}' if min_std else ''})"
-    for name, label in (("mempo", mempo), ("grpo", "GRPO (alpha=0)")):
-        rows = read_metrics(out / name / "metrics.jsonl")
-        steps = [r["step"] for r in rows]
-        for ax, key in zip(axes[:2], ("correct_rate", "p_mem_mean"), strict=True):
-            values = [float(r.get(key) or 0.0) for r in rows]
-            ax.plot(steps, moving_average(values, 5), label=label)
-    axes[0].set(title="Training EM (rollouts, 5-step mean)", xlabel="step")
-    axes[1].set(title="Training P_mem (5-step mean)", xlabel="step")
-    names = ["sft", "mempo", "grpo"]
-    axes[2].bar(names, [evals[n]["memory"]["em"] for n in names], color=["grey", "C0", "C1"])
-    axes[2].set(title="Held-out EM (memory mode, greedy)", ylim=(0, 1))
-    for ax in axes[:2]:
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8), dpi=110)
+    for i, arm in enumerate(arms):
+        runs = [read_metrics(out / f"seed-{r['seed']}" / arm / "metrics.jsonl") for r in rows]
+        for ax, key in zip(axes[:3], ("reward_mean", "p_mem_mean", "tokens_per_trajectory"), strict=True):
+            series = [moving_average([float(m.get(key) or 0.0) for m in metrics], 5) for metrics in runs]
+            steps = min(len(s) for s in series)
+            if not steps:
+                continue
+            by_step = [[s[j] for s in series] for j in range(steps)]
+            xs = range(1, steps + 1)
+            ax.plot(xs, [statistics.fmean(v) for v in by_step], color=f"C{i}", label=arm)
+            ax.fill_between(xs, [min(v) for v in by_step], [max(v) for v in by_step], color=f"C{i}", alpha=0.2)
+    for ax, title in zip(axes[:3], ("training reward", "training P_mem", "tokens per trajectory"), strict=True):
+        ax.set(title=f"{title} (5-step mean; band: seeds' range)", xlabel="RL step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    names = ["sft", *arms]
+    for i, name in enumerate(names):
+        values = [r[f"{name}_em"] for r in rows]
+        axes[3].bar(i, statistics.fmean(values), color="grey" if name == "sft" else f"C{i - 1}", alpha=0.6)
+        axes[3].scatter([i] * len(values), values, color="black", s=12, zorder=3)
+    axes[3].set_xticks(range(len(names)), names)
+    axes[3].set(title="held-out EM, k = 1 (memory mode, greedy)", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(out / "curves.png")
     plt.close(fig)
@@ -119,65 +197,45 @@ def plot(out: Path, evals: dict[str, dict[str, Any]], min_std: float) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds")
+    parser.add_argument("--seed-base", type=int, default=0, help="the first seed")
     parser.add_argument("--out", type=Path, default=Path("runs/learning-curve"))
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="reader")
-    parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--sft-tasks", type=int, default=128, help="oracle tasks per number of questions and world")
-    parser.add_argument("--sft-mode", default="memory", choices=["memory", "both"],
+    parser.add_argument("--arms", default="mempo,grpo", help=f"RL arms, from {','.join(ARMS)}")
+    parser.add_argument("--sft-mode", default="both", choices=["memory", "both"],
                         help="both: the policy also learns full mode, so full-mode tokens compare like with like")
-    parser.add_argument("--sft-worlds", type=int, default=8, help="worlds of the SFT data (seeds 0, 1, ...)")
-    parser.add_argument("--rl-steps", type=int, default=60)
-    parser.add_argument("--rl-lr", type=float, default=1e-4)
-    parser.add_argument("--questions", default="1-2", help="questions per task, training and eval")
+    parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--batch-groups", type=int, default=4)
-    parser.add_argument("--eval-tasks", type=int, default=30, help="held-out tasks per number of questions")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mem-min-std", type=float, default=MEM_MIN_STD,
-                        help="memory-advantage pools with a smaller std get none (0: only zero-variance ones)")
+    parser.add_argument("--batch-groups", type=int, default=8)
+    parser.add_argument("--ks", default="1,2", help="questions per task of the held-out eval (RL trains on 1)")
+    parser.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks per k")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (random-weight model, 1 RL step): runs, proves nothing")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="[learning-curve] %(message)s")  # pretraining progress
-    lo, _, hi = args.questions.partition("-")
-    args.ks = ",".join(str(k) for k in range(int(lo), int(hi or lo) + 1))
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.seeds < 1 or not args.arms or set(args.arms) - set(ARMS) or args.ks.split(",")[0] != "1":
+        parser.error(f"--seeds must be >= 1, --arms from {sorted(ARMS)}, --ks must start with 1")
+    if args.seed_base < 0:
+        parser.error("--seed-base must be >= 0")
+    args.preset, args.sft_overrides = "reader", {}
+    if args.smoke:
+        args.preset, args.sft_overrides = "test", {"steps": 2, "tasks": 2, "worlds": 1, "k": "1"}
+        args.rl_steps, args.group_size, args.batch_groups, args.ks, args.eval_tasks = 1, 2, 1, "1", 1
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
 
-    sft = args.out / "sft"
-    if not (sft / "model.safetensors").exists():
-        base = ensure_tiny(default_cache_dir(), PRESETS[args.preset])
-        run("sft", ["sft", "--model", str(base), "--out", str(sft), "--k", args.questions,
-                    "--tasks", str(args.sft_tasks), "--worlds", str(args.sft_worlds), "--mode", args.sft_mode, "--steps", str(args.sft_steps), "--seed", str(args.seed)])  # fmt: skip
-    evals = {"sft": evaluate(sft, args.out / "eval-sft", args)}
-    minutes = {}
-    for name, alpha in (("mempo", 1.0), ("grpo", 0.0)):
-        weights, minutes[name] = train(name, sft, alpha, args)
-        evals[name] = evaluate(weights, args.out / f"eval-{name}", args)
-
+    rows = []
+    for n, seed in enumerate(range(args.seed_base, args.seed_base + args.seeds), start=1):
+        log(f"seed {seed} ({n} of {args.seeds}) in {args.out / f'seed-{seed}'}")
+        rows.append(one_seed(seed, args))
+    means, spread = summarise(rows)
     summary = {
-        "sft_em": evals["sft"]["memory"]["em"],
-        "mempo_em": evals["mempo"]["memory"]["em"],
-        "grpo_em": evals["grpo"]["memory"]["em"],
-        "sft_p_mem": evals["sft"]["memory"].get("p_mem"),
-        "mempo_p_mem": evals["mempo"]["memory"].get("p_mem"),
-        "grpo_p_mem": evals["grpo"]["memory"].get("p_mem"),
-        "mempo_tokens_per_task": evals["mempo"]["memory"]["tokens_per_task"],
-        "full_mode_tokens_per_task": evals["mempo"]["full"]["tokens_per_task"],
-        "minutes": round(minutes["mempo"], 1),
-        "grpo_minutes": round(minutes["grpo"], 1),
-        "total_minutes": round((time.monotonic() - started) / 60, 1),
-        "sft_format_rate": evals["sft"]["memory"]["format_rate"],
-        "mempo_f1": evals["mempo"]["memory"]["f1"],
-        "grpo_f1": evals["grpo"]["memory"]["f1"],
-        "sft_f1": evals["sft"]["memory"]["f1"],
-        "rl_steps": args.rl_steps,
-        "mem_min_std": args.mem_min_std,
-        "ks": args.ks,
-        "eval_tasks": args.eval_tasks,
-        "curves": str(plot(args.out, evals, args.mem_min_std)),
-    }
-    (args.out / "summary.json").write_text(json.dumps({**summary, "evals": evals}, indent=1))
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+        **{k: means.get(k) for k in ("sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem", "grpo_p_mem",
+                                     "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes")},
+        "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
+        "eval_tasks": args.eval_tasks, "means": means, "spread": spread, "per_seed": rows,
+        "curves": str(plot(args.out, rows, args.arms)),
+    }  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, default=lambda v: v, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import typer
 from mempo.settings import configure_logging, quiet_hub
 
 if TYPE_CHECKING:
+    from mempo.launcher.evaluate import EvalOptions
     from mempo.launcher.heldout import HeldOut
     from mempo.launcher.up import UpOptions
 
@@ -119,7 +120,8 @@ def up(
         float, typer.Option(min=0, max=1, help="negative advantages are multiplied by this (1: unchanged)")
     ] = 0.2,
     heldout: Annotated[bool, typer.Option(help="score every held-out question before and after RL (greedy)")] = True,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(help="sampling, task order and initialisation")] = 0,
+    world_seed: Annotated[int, typer.Option(help="the agent's world; the warm start learns it and the next 7")] = 0,
     runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),
     display: Annotated[bool, typer.Option(help="live progress (a table on a terminal)")] = True,
 ) -> None:
@@ -130,7 +132,9 @@ def up(
     rollouts a step, 2 PPO epochs, KL to the starting policy 0.02, negative advantages
     scaled by 0.2, 30 steps."""
     import time
+    from dataclasses import replace
 
+    from mempo.launcher.heldout import HELDOUT
     from mempo.launcher.up import UpOptions, run_up
     from mempo.launcher.warmstart import WarmStart, warm_started_policy
 
@@ -147,15 +151,17 @@ def up(
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
         lr=lr, warmup_steps=warmup_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl, alpha=alpha,
-        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, seed=seed, display=display,
+        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, seed=seed, world_seed=world_seed,
+        display=display,
     )
-    policy = model.resolve() if model else warm_started_policy(WarmStart())
+    policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=world_seed))
+    check = replace(HELDOUT, world_seed=world_seed)
     try:
-        start = _heldout(policy, opts.run_dir / "heldout-start", cached=model is None) if heldout else None
+        start = _heldout(policy, opts.run_dir / "heldout-start", check, cached=model is None) if heldout else None
         heading = f"held-out EM before RL: {start.em:.3f} ({start.questions} questions, greedy)" if start else ""
         final = run_up(opts, policy, heading)
         end = _heldout(opts.run_dir.resolve() / "weights" / f"v{final.get('version')}",
-                       opts.run_dir / "heldout-end", cached=False) if heldout else None
+                       opts.run_dir / "heldout-end", check, cached=False) if heldout else None
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -166,14 +172,14 @@ def up(
     typer.echo(json.dumps(report, indent=1))
 
 
-def _heldout(policy: Path, out: Path, cached: bool) -> HeldOut:
+def _heldout(policy: Path, out: Path, opts: EvalOptions, cached: bool) -> HeldOut:
     """The held-out score of ``policy`` (cached in its folder when ``cached``), shown."""
     from mempo.launcher.heldout import cached_heldout_score, heldout_score
 
     if not (policy / "config.json").exists():
         raise RuntimeError(f"no policy to score at {policy}")
     typer.echo(f"[mempo] held-out check of {policy} (every held-out question, greedy)", err=True)
-    score = (cached_heldout_score if cached else heldout_score)(policy, out)
+    score = (cached_heldout_score if cached else heldout_score)(policy, out, opts)
     typer.echo(f"[mempo] held-out EM {score.em:.3f} on {score.questions} questions (format {score.format_rate:.2f})",
                err=True)  # fmt: skip
     return score
@@ -230,6 +236,7 @@ def evaluate_cmd(
         str | None,
         typer.Option(help="a running engine serving --model (SGLang on a GPU); default: start a CPU engine"),
     ] = None,
+    world_seed: Annotated[int, typer.Option(help="the agent's world (its test split is held out)")] = 0,
 ) -> None:
     """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task."""
     from rich.console import Console
@@ -255,7 +262,7 @@ def evaluate_cmd(
     out = out or model.resolve().parent / f"eval-{model.name}"
     engine = engine_url.rstrip("/") if engine_url else None
     opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine,
-                       every_question=every_question)
+                       every_question=every_question, world_seed=world_seed)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed

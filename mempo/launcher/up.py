@@ -48,6 +48,7 @@ class UpOptions:
     mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
     neg_adv_scale: float | None = None  # negative advantages multiplied by this
     seed: int = 0
+    world_seed: int = 0  # the agent's world (retrieval's corpus, the learner's tasks)
     display: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)  # every child: under the defaults
     # Per service ("retrieval", "scorer", "engine", "worker", "learner"): over the defaults.
@@ -93,7 +94,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
 
     first: list[Child] = [
         sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"], env=_over(
-            opts, "retrieval", _env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"]))),
+            opts, "retrieval", _env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"],
+            MEMPO_RETRIEVAL_WORLD_SEED=opts.world_seed))),
         sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_over(opts, "scorer", _env(
             one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
             MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=scorer_token,
@@ -136,7 +138,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_QUESTIONS_PER_TASK=opts.questions_per_task, MEMPO_LEARNER_GROUP_SIZE=opts.group_size,
         MEMPO_LEARNER_BATCH_GROUPS=opts.batch_groups, MEMPO_LEARNER_MODE=opts.mode,
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
-        MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_TRAINER__LR=opts.lr,
+        MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_WORLD_SEED=opts.world_seed,
+        MEMPO_LEARNER_TRAINER__LR=opts.lr,
         MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps, MEMPO_LEARNER_TRAINER__PPO_EPOCHS=opts.ppo_epochs,
         MEMPO_LEARNER_TRAINER__BETA_KL=opts.beta_kl,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,

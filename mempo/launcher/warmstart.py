@@ -19,7 +19,8 @@ class WarmStart:
 
     preset: str = "reader"  # pretrained on reading drills (mempo/pretrain.py)
     tasks: int = 128  # oracle tasks per world and number of questions
-    worlds: int = 8  # the agent's world 0 (train split) and worlds 1-7
+    worlds: int = 8  # the agent's world (train split) and the next 7
+    world_seed: int = 0  # the agent's world
     k: str = "1,2"
     mode: str = "memory"
     steps: int = 300
@@ -29,6 +30,16 @@ class WarmStart:
     def key(self, base: Path) -> str:
         spec = json.dumps({**asdict(self), "base": base.name}, sort_keys=True)
         return hashlib.sha256(spec.encode()).hexdigest()[:12]
+
+
+def sft_command(spec: WarmStart, base: Path, out: Path) -> list[str]:
+    """``mempo sft`` of ``base`` into ``out`` with the warm start's recipe."""
+    return [
+        sys.executable, "-m", "mempo.cli", "sft", "--out", str(out), "--model", str(base),
+        "--tasks", str(spec.tasks), "--worlds", str(spec.worlds), "--world-seed", str(spec.world_seed),
+        "--k", spec.k, "--mode", spec.mode, "--steps", str(spec.steps), "--lr", str(spec.lr),
+        "--seed", str(spec.seed),
+    ]  # fmt: skip
 
 
 def warm_started_policy(spec: WarmStart, cache_dir: Path | None = None) -> Path:
@@ -41,12 +52,7 @@ def warm_started_policy(spec: WarmStart, cache_dir: Path | None = None) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"[mempo] SFT warm start of the tiny model ({spec.steps} steps, once; cached in {final})", flush=True)
-    cmd = [
-        sys.executable, "-m", "mempo.cli", "sft", "--out", str(tmp), "--model", str(base),
-        "--tasks", str(spec.tasks), "--worlds", str(spec.worlds), "--k", spec.k, "--mode", spec.mode,
-        "--steps", str(spec.steps), "--lr", str(spec.lr), "--seed", str(spec.seed),
-    ]
-    subprocess.run(cmd, check=True)
+    subprocess.run(sft_command(spec, base, tmp), check=True)
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
