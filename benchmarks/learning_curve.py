@@ -11,7 +11,9 @@ commands and services:
    (entities training never asks about), memory and full mode, P_mem scored;
 3. for each arm, ``mempo up`` from the SFT policy (the demo's recipe, ``--rl-steps``
    steps, sampling seed s) and eval of its last weights. Arms: ``mempo`` (memory
-   advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format).
+   advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
+   ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
+   over its own tokens, FoldAct). An arm added later runs alone on the next call.
 
 Every phase is skipped when its output exists (rerun the same command to resume), and
 each one's progress is printed to stderr. Prints one JSON line: means over seeds of
@@ -54,7 +56,11 @@ MEMPO = [sys.executable, "-m", "mempo.cli"]
 # pretraining worlds (FIRST_WORLD, +1, ...: the reader has read their facts).
 AGENT_WORLDS = 100_000
 assert FIRST_WORLD + max(p.pretrain_worlds for p in PRESETS.values()) < AGENT_WORLDS
-ARMS = {"mempo": ["--alpha", "1"], "grpo": ["--alpha", "0"]}
+ARMS = {
+    "mempo": ["--alpha", "1"],
+    "grpo": ["--alpha", "0"],
+    "span": ["--alpha", "1", "--mem-loss", "span-mean"],  # MemPO with FoldAct's per-span loss
+}
 
 
 def log(message: str) -> None:

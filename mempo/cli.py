@@ -119,6 +119,9 @@ def up(
     neg_adv_scale: Annotated[
         float, typer.Option(min=0, max=1, help="negative advantages are multiplied by this (1: unchanged)")
     ] = 0.2,
+    mem_loss: Annotated[
+        str, typer.Option(help="<mem> tokens' loss: shared (token-mean with the rest) | span-mean (FoldAct)")
+    ] = "shared",
     heldout: Annotated[bool, typer.Option(help="score every held-out question before and after RL (greedy)")] = True,
     seed: Annotated[int, typer.Option(help="sampling, task order and initialisation")] = 0,
     world_seed: Annotated[int, typer.Option(help="the agent's world; the warm start learns it and the next 7")] = 0,
@@ -144,6 +147,8 @@ def up(
         fail(f"--model {model} is not an HF model folder (no config.json)")
     if neg_adv_scale <= 0:
         fail("--neg-adv-scale must be above 0")
+    if mem_loss not in ("shared", "span-mean"):
+        fail(f"--mem-loss must be shared or span-mean (got {mem_loss!r})")
     quiet_hub()
     configure_logging("WARNING")
     opts = UpOptions(
@@ -151,8 +156,8 @@ def up(
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
         lr=lr, warmup_steps=warmup_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl, alpha=alpha,
-        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, seed=seed, world_seed=world_seed,
-        display=display,
+        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, mem_loss=mem_loss, seed=seed,
+        world_seed=world_seed, display=display,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=world_seed))
     check = replace(HELDOUT, world_seed=world_seed)

@@ -47,6 +47,7 @@ class UpOptions:
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
     mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
     neg_adv_scale: float | None = None  # negative advantages multiplied by this
+    mem_loss: str | None = None  # shared | span-mean: how the <mem> tokens' loss is aggregated
     seed: int = 0
     world_seed: int = 0  # the agent's world (retrieval's corpus, the learner's tasks)
     display: bool = True
@@ -145,6 +146,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
         MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
         MEMPO_LEARNER_TRAINER__NEG_ADV_SCALE=opts.neg_adv_scale,
+        MEMPO_LEARNER_TRAINER__MEM_LOSS=opts.mem_loss,
     )
     second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
                             env=_over(opts, "learner", learner_env)))

@@ -63,6 +63,7 @@ class TrainingBatch:
     advantages: Tensor  # (K,) float32
     rollout_logprobs: Tensor  # (K,) float32
     in_memory: Tensor  # (K,) bool: inside a <mem> span that has a memory advantage
+    mem_span_ids: Tensor  # (K,) int64: the <mem> span of each token (S of the batch), -1 outside
     seq_ids: Tensor  # (K,) int64
     traj_ids: Tensor  # (K,) int64
     stats: dict[str, float] = field(default_factory=dict)
@@ -73,14 +74,22 @@ class TrainingBatch:
         counts = torch.tensor([s.num_trained for s in sequences], dtype=torch.long)  # (N,)
         k = int(counts.sum())
         traj = torch.tensor([s.trajectory for s in sequences], dtype=torch.long)  # (N,)
+        offsets = np.concatenate([[0], np.cumsum(counts.numpy())]).astype(np.int64)
+        span_ids, next_span = np.full(k, -1, dtype=np.int64), 0  # (K,)
+        for seq, offset in zip(sequences, offsets, strict=False):
+            for start, end, _ in seq.spans:
+                lo, hi = np.searchsorted(seq.positions, (start, end))
+                span_ids[offset + lo : offset + hi] = next_span
+                next_span += 1
         return cls(
             sequences=sequences,
-            offsets=np.concatenate([[0], np.cumsum(counts.numpy())]).astype(np.int64),
+            offsets=offsets,
             advantages=torch.zeros(k),
             rollout_logprobs=torch.from_numpy(
                 np.concatenate([s.rollout_logprobs for s in sequences])
             ).float(),
             in_memory=torch.zeros(k, dtype=torch.bool),
+            mem_span_ids=torch.from_numpy(span_ids),
             seq_ids=torch.repeat_interleave(torch.arange(len(sequences)), counts),
             traj_ids=torch.repeat_interleave(traj, counts),
         )

@@ -62,16 +62,19 @@ def shuffled_minibatches(
 
 
 def loss_denominator(
-    batch: TrainingBatch, mini: list[int], loss_agg: str
+    batch: TrainingBatch, mini: list[int], loss_agg: str, mem_loss: str = "shared"
 ) -> tuple[float, Tensor | None]:
     """agg_loss's denominator for mini-batch ``mini``, and per-token weights (or None).
 
     token-mean: the mini-batch's trained tokens; seq modes: its sequences (a sequence
     never spans micro-batches). traj-mean-token-mean weights each token by 1 / (its
     trajectory's trained tokens in the mini-batch) and divides by the trajectory count:
-    exact however a trajectory's rounds fall into micro-batches and ranks.
+    exact however a trajectory's rounds fall into micro-batches and ranks. ``mem_loss``
+    "span-mean" (token-mean only): see span_mean_weights.
     """
     idx = batch.token_index(mini)
+    if mem_loss == "span-mean":
+        return 1.0, span_mean_weights(batch, idx)
     if loss_agg == "token-mean":
         return float(idx.numel()), None
     if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
@@ -80,6 +83,22 @@ def loss_denominator(
     scale = torch.zeros(batch.num_tokens)  # (K,)
     scale[idx] = 1.0 / counts[batch.traj_ids[idx]]
     return float((counts > 0).sum()), scale
+
+
+def span_mean_weights(batch: TrainingBatch, idx: Tensor) -> Tensor:
+    """Per-token weights (K,) of FoldAct's separated loss (arXiv 2512.22733) over the
+    trained tokens ``idx`` of a mini-batch: loss = token-mean over the tokens outside
+    ``<mem>`` + mean over the ``<mem>`` spans of each span's own token-mean. A token outside
+    weighs 1 / (tokens outside), a token of span s 1 / (spans x tokens of s), so a 20-token
+    summary is not diluted by a token-mean over 400 tokens of thought and answer."""
+    span = batch.mem_span_ids[idx]  # (k,)
+    inside = span >= 0
+    scale = torch.zeros(batch.num_tokens)  # (K,)
+    scale[idx[~inside]] = 1.0 / max(int((~inside).sum()), 1)
+    if bool(inside.any()):
+        _, inverse, counts = torch.unique(span[inside], return_inverse=True, return_counts=True)
+        scale[idx[inside]] = 1.0 / (len(counts) * counts[inverse].float())
+    return scale
 
 
 def micro_loss(
@@ -116,7 +135,7 @@ def micro_loss(
         entropy = entropy_from_logits(logits)  # (K,)
     per_token = pg_loss + config.beta_kl * kl - config.entropy_coef * entropy  # (K,)
     mode = config.loss_agg
-    if token_scale is not None:  # traj-mean-token-mean as weighted token sums
+    if token_scale is not None:  # traj-mean-token-mean or span-mean as weighted token sums
         per_token, mode = per_token * token_scale[idx], "token-mean"
     loss = agg_loss(
         per_token,

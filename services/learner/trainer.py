@@ -177,7 +177,9 @@ class Trainer:
     def _update(self, batch: TrainingBatch, mini: list[int], tokens: TokenData) -> dict[str, float]:
         """Accumulate gradients over this rank's micro-batches of ``mini``; one optimizer step."""
         first = not self.minibatch_metrics
-        denominator, token_scale = loss_denominator(batch, mini, self.config.loss_agg)
+        denominator, token_scale = loss_denominator(
+            batch, mini, self.config.loss_agg, self.config.mem_loss
+        )
         scale = token_scale.to(self.dist.device) if token_scale is not None else None
         logp_seen = torch.zeros(batch.num_tokens, device=self.dist.device)
         sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.dist.device)

@@ -83,6 +83,12 @@ class TrainerConfig(BaseModel):
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, or traj-mean-token-mean (the
     paper's Eq. 10); see mempo.losses.agg_loss."""
 
+    mem_loss: Literal["shared", "span-mean"] = "shared"
+    """How the <mem> tokens' loss is aggregated. shared: like every other token (loss_agg).
+    span-mean (FoldAct's separated loss, arXiv 2512.22733; loss_agg token-mean only): the
+    token-mean over the tokens outside <mem> plus the mean over <mem> spans of each span's
+    own token-mean, so a short summary is not diluted by the whole response."""
+
     # ----------------------------------------------------------------- advantages
     alpha: float = Field(default=1.0, ge=0)
     """Weight of MemPO's memory advantage on <mem> tokens; 0 gives plain GRPO."""
@@ -136,6 +142,10 @@ class TrainerConfig(BaseModel):
         if self.row_tokens is not None and self.row_tokens > self.micro_batch_tokens:
             raise ValueError(
                 f"row_tokens ({self.row_tokens}) exceeds micro_batch_tokens ({self.micro_batch_tokens})"
+            )
+        if self.mem_loss == "span-mean" and self.loss_agg != "token-mean":
+            raise ValueError(
+                f"mem_loss span-mean needs loss_agg token-mean (got {self.loss_agg!r})"
             )
         if self.clip_low >= 1.0:
             raise ValueError(f"clip_low must be below 1 (got {self.clip_low})")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from mempo.schemas import Round
+from services.learner.batch import TrainingBatch
+from services.learner.ppo import span_mean_weights
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.factories import cached_groups
@@ -79,14 +81,24 @@ def test_rollout_logprobs_as_old_report_the_gap(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "traj-mean-token-mean"]
+    ("loss_agg", "mem_loss"),
+    [
+        ("token-mean", "shared"),
+        ("seq-mean-token-mean", "shared"),
+        ("seq-mean-token-sum", "shared"),
+        ("traj-mean-token-mean", "shared"),
+        ("token-mean", "span-mean"),
+    ],
 )
-def test_micro_batches_add_up_to_the_mini_batch(tiny_model_dir: Path, loss_agg: str) -> None:
+def test_micro_batches_add_up_to_the_mini_batch(
+    tiny_model_dir: Path, loss_agg: str, mem_loss: str
+) -> None:
     groups = cached_groups(tiny_model_dir, 2)
     result = []
     for budget, rows in ((16384, None), (600, 300)):  # one micro-batch, then many with several rows
         config = TrainerConfig(
             loss_agg=loss_agg,
+            mem_loss=mem_loss,  # type: ignore[arg-type]
             mini_batches=1,
             micro_batch_tokens=budget,
             row_tokens=rows,
@@ -100,6 +112,46 @@ def test_micro_batches_add_up_to_the_mini_batch(tiny_model_dir: Path, loss_agg: 
     assert g_one.keys() == g_many.keys()
     for name, g in g_one.items():
         torch.testing.assert_close(g_many[name], g, rtol=1e-4, atol=1e-7)
+
+
+def span_mean_reference(batch: TrainingBatch) -> float:
+    """FoldAct's separated loss with the ratio at 1 (loss per token -A), by plain loops over
+    the sequences' <mem> spans (absolute positions), independent of mem_span_ids."""
+    outside, spans = [], []
+    for i, seq in enumerate(batch.sequences):
+        adv = batch.advantages[batch.offsets[i] : batch.offsets[i + 1]].tolist()
+        covered = set()
+        for start, end, _ in seq.spans:
+            members = [j for j, pos in enumerate(seq.positions) if start <= pos < end]
+            covered.update(members)
+            spans.append([-adv[j] for j in members])
+        outside += [-a for j, a in enumerate(adv) if j not in covered]
+    spans = [span for span in spans if span]
+    return sum(outside) / len(outside) + sum(sum(s) / len(s) for s in spans) / len(spans)
+
+
+def test_span_mean_matches_its_reference_and_weighs_the_summary_up(tiny_model_dir: Path) -> None:
+    groups = cached_groups(tiny_model_dir, 2)
+    losses, batches = {}, {}
+    for mem_loss in ("shared", "span-mean"):
+        config = TrainerConfig(mem_loss=mem_loss, mini_batches=1, ppo_epochs=1, beta_kl=0.0)  # type: ignore[arg-type]
+        trainer = Trainer(config, tiny_model_dir)
+        batches[mem_loss] = trainer._batch(groups)
+        losses[mem_loss] = trainer.train_step(groups)["loss"]  # one update: ratio 1, loss -A
+    batch = batches["span-mean"]
+    assert int(batch.mem_span_ids.max()) + 1 == sum(len(s.spans) for s in batch.sequences) > 0
+    assert losses["span-mean"] == pytest.approx(span_mean_reference(batch), rel=1e-5, abs=1e-7)
+    assert losses["shared"] == pytest.approx(-float(batch.advantages.mean()), rel=1e-5, abs=1e-7)
+    # the summary's share of the loss weight: its token share under shared, half under span-mean
+    weights = span_mean_weights(batch, batch.token_index(range(len(batch.sequences))))
+    inside = batch.mem_span_ids >= 0
+    assert float(weights[inside].sum()) == pytest.approx(1.0) == float(weights[~inside].sum())
+    assert float(inside.float().mean()) < 0.5
+
+
+def test_span_mean_needs_token_mean() -> None:
+    with pytest.raises(ValueError, match="span-mean needs loss_agg token-mean"):
+        TrainerConfig(mem_loss="span-mean", loss_agg="seq-mean-token-mean")
 
 
 def test_entropy_bonus_changes_the_gradient(tiny_model_dir: Path) -> None:
