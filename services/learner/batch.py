@@ -306,6 +306,7 @@ def _stats(
     constant = [np.ptp(rewards[np.asarray(flat.group_of) == g]) == 0 for g in range(len(groups))]
     adv = batch.advantages
     return {
+        **_memory_stats(flat, outcome, memory),
         "groups": float(len(groups)),
         "trajectories": float(len(trajectories)),
         "sequences": float(len(batch.sequences)),
@@ -331,3 +332,27 @@ def _stats(
         "adv_abs_max": float(adv.abs().max()),
         "mem_token_frac": float(batch.in_memory.float().mean()),
     }
+
+
+def _memory_stats(flat: _Flat, outcome: Tensor, memory: Tensor) -> dict[str, float]:
+    """Does the memory advantage help the outcome? ``mem_pool_silenced_frac``: share of
+    pools whose A_M is all 0 (too small a spread, mem_min_std); ``mem_adv_agreement``:
+    share of items with A_M != 0 and A_T != 0 whose signs agree (below 0.5 the memory
+    term mostly fights the outcome on <mem> tokens); ``mem_reward_outcome_corr``: Pearson
+    correlation of R_M with its trajectory's reward. A figure without data is left out."""
+    if not flat.mem_rewards:
+        return {}
+    pools = np.asarray(flat.mem_pool)
+    a_m = memory.numpy()
+    traj_of = np.empty(len(flat.mem_rewards), dtype=np.int64)  # (M,)
+    for (b, _), item in flat.item_of.items():
+        traj_of[item] = b
+    a_t = outcome.numpy()[traj_of]
+    stats = {"mem_pool_silenced_frac": float(np.mean([not a_m[pools == p].any() for p in np.unique(pools)]))}
+    both = (a_m != 0) & (a_t != 0)
+    if both.any():
+        stats["mem_adv_agreement"] = float(np.mean(np.sign(a_m[both]) == np.sign(a_t[both])))
+    r_m, r = np.asarray(flat.mem_rewards), np.asarray(flat.rewards)[traj_of]
+    if len(r_m) > 1 and r_m.std() > 0 and r.std() > 0:
+        stats["mem_reward_outcome_corr"] = float(np.corrcoef(r_m, r)[0, 1])
+    return stats
