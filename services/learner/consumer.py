@@ -171,6 +171,12 @@ class GroupConsumer:
             f"untrainable group: {why}",
         )
 
+    async def dead_letter(self, batch: Batch, why: str) -> None:
+        """Training on ``batch`` failed and left the trainer as it was: its groups go to
+        the dead stream with the reason (replayable from there), the learner goes on."""
+        for delivery in batch.deliveries:
+            await self._dead_letter(delivery, why)
+
     def _drop_reason(self, group: Group, version: int) -> DropReason | None:
         if group.group_id in self.trained or group.group_id in self._batch.group_ids:
             return "duplicate"

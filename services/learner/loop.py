@@ -30,12 +30,17 @@ from services.learner.telemetry import LearnerMetrics, MetricsJournal
 
 log = logging.getLogger(__name__)
 
+# Batches in a row whose training raised before the learner gives up: one bad batch is
+# the data's fault (dead-lettered, training goes on), several in a row the trainer's.
+MAX_FAILED_BATCHES = 3
+
 
 class PolicyTrainer(Protocol):
     """What the loop needs of services/learner/trainer.py's Trainer."""
 
     step: int
     version: int
+    optimizer_steps: int
 
     def train_step(self, groups: list[Group]) -> dict[str, float]: ...
 
@@ -66,6 +71,7 @@ class LearnerLoop:
         self.journal = MetricsJournal(settings.run_dir)
         self.last_metrics: dict[str, Any] | None = self.journal.last()
         self.last_publish: PublishReport | None = None
+        self.failed_batches = 0  # in a row
 
     @classmethod
     async def open(
@@ -139,14 +145,18 @@ class LearnerLoop:
     # ----------------------------------------------------------------- the step
 
     async def training_step(self, block_ms: int | None = None) -> dict[str, Any] | None:
-        """One MemPO step; None when no full batch arrived within ``block_ms``."""
-        batch = await self.consumer.next_batch(self.trainer.version, block_ms)
-        if batch is None:
-            return None
-        started = time.perf_counter()
-        staleness = batch.staleness(self.trainer.version)
-        # advantages (outcome + memory) -> old / ref log-probs -> PPO epochs -> AdamW step
-        train = await self._train(batch)
+        """One MemPO step; None when no full batch arrived within ``block_ms``. A batch whose
+        training failed is dead-lettered and the next one trained (see ``_train``)."""
+        while True:
+            batch = await self.consumer.next_batch(self.trainer.version, block_ms)
+            if batch is None:
+                return None
+            started = time.perf_counter()
+            staleness = batch.staleness(self.trainer.version)
+            # advantages (outcome + memory) -> old / ref log-probs -> PPO epochs -> AdamW step
+            train = await self._train(batch)
+            if train is not None:
+                break
         try:
             await asyncio.to_thread(
                 self.trainer.save_checkpoint,
@@ -164,13 +174,25 @@ class LearnerLoop:
         await self.admit()
         return record
 
-    async def _train(self, batch: Batch) -> dict[str, float]:
+    async def _train(self, batch: Batch) -> dict[str, float] | None:
+        """The step's metrics; None when training raised before any optimizer step and the
+        batch was dead-lettered. Raises (the groups left pending: they come back, and die
+        after max_deliveries) when the trainer may be half-way through a step, or after
+        MAX_FAILED_BATCHES failed batches in a row."""
+        before = self.trainer.optimizer_steps
         try:
-            return await asyncio.to_thread(self.trainer.train_step, batch.groups)
+            train = await asyncio.to_thread(self.trainer.train_step, batch.groups)
         except Exception as exc:
-            # The groups stay pending: they come back, and die after max_deliveries.
-            await self.consumer.release(batch, f"train_step: {type(exc).__name__}: {exc}")
-            raise
+            reason = f"train_step: {type(exc).__name__}: {exc}"
+            self.failed_batches += 1
+            if self.trainer.optimizer_steps != before or self.failed_batches >= MAX_FAILED_BATCHES:
+                await self.consumer.release(batch, reason)
+                raise
+            log.error("dead-lettering a batch of %d groups: %s", len(batch.deliveries), reason)
+            await self.consumer.dead_letter(batch, reason)
+            return None
+        self.failed_batches = 0
+        return train
 
     async def publish(self) -> PublishReport:
         report = await self.publisher.publish(self.trainer, self.trainer.version)

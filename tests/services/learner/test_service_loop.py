@@ -14,7 +14,7 @@ from mempo.keys import Keys
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import Group, Task
 from mempo.weights import map_safetensors, non_finite
-from services.learner.loop import LearnerLoop
+from services.learner.loop import MAX_FAILED_BATCHES, LearnerLoop
 from services.learner.settings import LearnerSettings
 from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.service_support import StandInEngine, make_group, serving
@@ -263,15 +263,46 @@ async def test_a_nan_reward_never_reaches_the_published_policy(
         await loop.aclose()
 
 
-async def test_a_failing_train_step_records_why_and_leaves_the_groups_pending(
+async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_on(
     redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
 ) -> None:
     settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
     loop = await LearnerLoop.open(settings, queue)
     try:
-        entry = await queue.publish_group(
-            make_group(Task(group_id="g", questions=["q?"], answers=[["a"]], n=2))
-        )
+        for group_id in ("bad", "good"):
+            await queue.publish_group(
+                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2))
+            )
+        real = loop.trainer.train_step
+
+        def picky(groups: list[Group]) -> dict[str, float]:
+            if groups[0].group_id == "bad":
+                raise OverflowError("value cannot be converted to type float without overflow")
+            return real(groups)
+
+        loop.trainer.train_step = picky  # type: ignore[method-assign]
+        record = await loop.training_step()
+        assert record is not None and loop.trainer.step == 1  # trained on "good"
+        (dead,) = await queue.dead_letters()
+        assert json.loads(dead["data"])["group_id"] == "bad"
+        assert "OverflowError: value cannot be converted" in dead["reason"]
+        assert (await queue.stream_lengths())["groups"] == 0 and loop.failed_batches == 0
+    finally:
+        await loop.aclose()
+
+
+async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pending(
+    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+) -> None:
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
+    loop = await LearnerLoop.open(settings, queue)
+    try:
+        entries = [
+            await queue.publish_group(
+                make_group(Task(group_id=f"g{i}", questions=["q?"], answers=[["a"]], n=2))
+            )
+            for i in range(MAX_FAILED_BATCHES)
+        ]
 
         def explode(groups: object) -> dict[str, float]:
             raise RuntimeError("CUDA error: an illegal memory access")
@@ -279,8 +310,34 @@ async def test_a_failing_train_step_records_why_and_leaves_the_groups_pending(
         loop.trainer.train_step = explode  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await loop.training_step()
-        assert "illegal memory access" in await queue.redis.hget(keys.failures, entry)
+        assert len(await queue.dead_letters()) == MAX_FAILED_BATCHES - 1
+        assert "illegal memory access" in await queue.redis.hget(keys.failures, entries[-1])
         assert (await queue.stream_lengths())["groups"] == 1  # not acked: it comes back, then dies
+    finally:
+        await loop.aclose()
+
+
+async def test_a_step_that_fails_half_way_stops_the_learner(
+    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+) -> None:
+    """After an optimizer step the weights hold part of the batch: no going on from there
+    (the restart resumes from the checkpoint); the groups stay pending."""
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
+    loop = await LearnerLoop.open(settings, queue)
+    try:
+        entry = await queue.publish_group(
+            make_group(Task(group_id="g", questions=["q?"], answers=[["a"]], n=2))
+        )
+
+        def half_way(groups: object) -> dict[str, float]:
+            loop.trainer.optimizer_steps += 1
+            raise RuntimeError("the second mini-batch failed")
+
+        loop.trainer.train_step = half_way  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="second mini-batch"):
+            await loop.training_step()
+        assert await queue.dead_letters() == []
+        assert "second mini-batch" in await queue.redis.hget(keys.failures, entry)
     finally:
         await loop.aclose()
 
