@@ -229,10 +229,19 @@ def bearer_token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def check_admin(request: Request, admin_token: str | None) -> None:
-    """401 without a token, 403 with a wrong one; open when no token is configured."""
+CLOSED_ADMIN = (
+    "the admin routes are closed: this service has no admin token (set its ADMIN_TOKEN, "
+    "or ADMIN_OPEN=true for local development)"
+)
+
+
+def check_admin(request: Request, admin_token: str | None, admin_open: bool = False) -> None:
+    """401 without a token, 403 with a wrong one; without a configured token 403 (closed),
+    or open when ``admin_open``."""
     if not admin_token:
-        return
+        if admin_open:
+            return
+        raise Forbidden(CLOSED_ADMIN)
     token = bearer_token(request)
     if token is None:
         raise Unauthorized("this route needs Authorization: Bearer <admin token>")
@@ -242,7 +251,8 @@ def check_admin(request: Request, admin_token: str | None) -> None:
 
 def require_admin(request: Request) -> None:
     """Dependency for admin routes; the token lives in ``app.state.admin_token``."""
-    check_admin(request, getattr(request.app.state, "admin_token", None))
+    state = request.app.state
+    check_admin(request, getattr(state, "admin_token", None), getattr(state, "admin_open", False))
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
@@ -322,10 +332,20 @@ def install_common(
     ready: Callable[[], Awaitable[tuple[bool, str | None]]],
     max_body_bytes: int,
     admin_token: str | None,
+    admin_open: bool = False,
 ) -> None:
-    """Error handlers, body limit, request metrics and the /health, /ready, /metrics routes."""
+    """Error handlers, body limit, request metrics and the /health, /ready, /metrics routes.
+    Admin routes need ``admin_token``; without one they are closed, or open (a warning)
+    when ``admin_open``."""
     install_error_handlers(app)
     app.state.admin_token = admin_token or None
+    app.state.admin_open = admin_open and not admin_token
+    if app.state.admin_open:
+        log.warning(
+            "%s: the admin routes are OPEN to anyone who reaches this port (no admin token, "
+            "admin_open set): for local development only",
+            service,
+        )
     app.state.metrics = metrics
     # Innermost first. CatchUnexpected: count_requests sees its 500s. BodyLimit inside
     # count_requests (a BaseHTTPMiddleware, whose receive would wrap the limit's

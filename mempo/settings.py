@@ -29,7 +29,12 @@ class ServiceSettings(BaseSettings):
     """TCP port to listen on."""
 
     admin_token: SecretStr | None = None
-    """Bearer token required on admin routes (weight updates, cache flush, pause). Unset: open."""
+    """Bearer token required on admin routes (weight updates, cache flush, pause). Unset:
+    the admin routes answer 403, unless admin_open."""
+
+    admin_open: bool = False
+    """Without an admin token, open the admin routes to anyone who reaches the port: for
+    local development only (a warning is logged at start). Ignored when a token is set."""
 
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Requests with a larger body get 413."""

@@ -46,7 +46,8 @@ def create_app(settings: LearnerSettings | None = None) -> FastAPI:
         return (False, "starting") if runner is None else await runner.ready()
 
     install_common(
-        app, "learner", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
+        app, "learner", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
+        settings.admin_open,
     )
 
     @app.get("/v1/status", response_model=LearnerStatus, tags=["learner"])

@@ -55,7 +55,8 @@ def create_app(settings: RetrievalSettings | None = None) -> FastAPI:
         return service.readiness()
 
     install_common(
-        app, "retrieval", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
+        app, "retrieval", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
+        settings.admin_open,
     )
     app.include_router(router)
     return app

@@ -109,7 +109,8 @@ def create_app(
         return worker.readiness()
 
     install_common(
-        app, "rollout", metrics.metrics, ready, settings.max_body_bytes, settings.admin_token_value()
+        app, "rollout", metrics.metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
+        settings.admin_open,
     )
 
     @app.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])

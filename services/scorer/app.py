@@ -144,7 +144,8 @@ def create_app(
         return True, None
 
     install_common(
-        app, "scorer", metrics, ready, settings.max_body_bytes, settings.admin_token_value()
+        app, "scorer", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
+        settings.admin_open,
     )
     app.include_router(router)
     return app

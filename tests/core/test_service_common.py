@@ -16,13 +16,16 @@ class Body(BaseModel):
     queries: list[str] = Field(min_length=1)
 
 
-def make_app(token: str | None = "s3cret", ready: bool = True) -> FastAPI:
+def make_app(token: str | None = "s3cret", ready: bool = True, admin_open: bool = False) -> FastAPI:
     app = FastAPI()
 
     async def is_ready() -> tuple[bool, str | None]:
         return ready, None if ready else "index loading"
 
-    install_common(app, "demo", Metrics("demo"), is_ready, max_body_bytes=2048, admin_token=token)
+    install_common(
+        app, "demo", Metrics("demo"), is_ready, max_body_bytes=2048, admin_token=token,
+        admin_open=admin_open,
+    )  # fmt: skip
 
     @app.post("/echo")
     async def echo(body: Body) -> Body:
@@ -71,10 +74,21 @@ async def test_admin_auth(client: httpx.AsyncClient) -> None:
     assert (await client.post("/admin", headers={"Authorization": "Bearer s3cret"})).json() == {"ok": True}
 
 
-async def test_open_without_token() -> None:
+async def test_closed_without_token_unless_opened_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     transport = httpx.ASGITransport(app=make_app(token=None))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        closed = await c.post("/admin", headers={"Authorization": "Bearer anything"})
+        assert closed.status_code == 403 and "closed" in closed.json()["message"]
+    assert "OPEN" not in caplog.text
+    transport = httpx.ASGITransport(app=make_app(token=None, admin_open=True))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         assert (await c.post("/admin")).status_code == 200
+    assert "admin routes are OPEN" in caplog.text
+    transport = httpx.ASGITransport(app=make_app(admin_open=True))  # a token wins over the opt-in
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        assert (await c.post("/admin")).status_code == 401
 
 
 async def test_ops_routes(client: httpx.AsyncClient) -> None:

@@ -123,31 +123,31 @@ async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 60.0) -> None
         await asyncio.sleep(0.1)
 
 
-def engine_app(model: Path, root: Path) -> FastAPI:
+def engine_app(model: Path, root: Path, token: str | None = TOKEN) -> FastAPI:
     from services.rollout.engine.app import create_app
     from services.rollout.engine.settings import EngineSettings
 
     return create_app(
         EngineSettings(
-            model_path=str(model), weights_root=str(root), admin_token=TOKEN,  # type: ignore[arg-type]
+            model_path=str(model), weights_root=str(root), admin_token=token,  # type: ignore[arg-type]
             threads=1, drain_timeout_s=1.0,
         )
     )  # fmt: skip
 
 
-def scorer_app(model: Path, root: Path) -> FastAPI:
+def scorer_app(model: Path, root: Path, token: str | None = TOKEN) -> FastAPI:
     from services.scorer.app import create_app
     from services.scorer.settings import ScorerSettings
 
     return create_app(
         ScorerSettings(
-            model_path=str(model), weights_root=str(root), admin_token=TOKEN,  # type: ignore[arg-type]
+            model_path=str(model), weights_root=str(root), admin_token=token,  # type: ignore[arg-type]
             device="cpu", max_wait_ms=1.0,
         )
     )  # fmt: skip
 
 
-APPS: dict[str, Callable[[Path, Path], FastAPI]] = {"engine": engine_app, "scorer": scorer_app}
+APPS: dict[str, Callable[..., FastAPI]] = {"engine": engine_app, "scorer": scorer_app}
 
 
 def all_apps(model: Path, root: Path) -> dict[str, FastAPI]:
@@ -250,6 +250,44 @@ async def test_admin_routes_refuse_missing_and_wrong_tokens(
                     await call(client, "POST", "/continue_generation", {}, RIGHT)
         info = (await client.get("/model_info")).json()
         assert info["weight_version"] == "7" and info["model_path"] == str(weights.root / "v1")
+
+
+@pytest.mark.parametrize("service", ["engine", "scorer"])
+async def test_admin_routes_without_a_token_are_closed(
+    service: str, tiny_model_dir: Path, weights: SimpleNamespace
+) -> None:
+    routes = ENGINE_ADMIN if service == "engine" else SCORER_ADMIN
+    async with serving(APPS[service](tiny_model_dir, weights.root, token=None)) as client:
+        before = (await client.get("/model_info")).json()
+        for (method, path), body in routes.items():
+            for headers in ({}, RIGHT, {"Authorization": "Bearer "}):
+                reply = await call(client, method, path, resolved_body(body, weights.root), headers)
+                assert reply.status_code == 403, (method, path, headers, reply.text)
+                assert "admin routes are closed" in reply.text
+        assert (await client.get("/model_info")).json() == before
+        assert (await client.get("/ready")).status_code == 200
+
+
+@pytest.mark.e2e
+def test_an_engine_opened_for_development_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real engine process: without a token its admin routes are closed; with
+    ADMIN_OPEN=true they are open and its log says so at start."""
+    from mempo.launcher.supervisor import Supervisor
+    from mempo.procs import free_port
+
+    with Supervisor(tmp_path) as sup:
+        for opened in (False, True):
+            port = free_port()
+            env = {"MEMPO_ENGINE_PORT": str(port), "MEMPO_ENGINE_MODEL_PATH": str(tiny_model_dir),
+                   "MEMPO_ENGINE_THREADS": "1", "MEMPO_ENGINE_ADMIN_OPEN": str(opened).lower(),
+                   "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+            child = sup.start(f"engine-{opened}", ["mempo", "rollout", "engine"],
+                              url=f"http://127.0.0.1:{port}", env=env)  # fmt: skip
+            sup.wait_ready([child], 120)
+            reply = httpx.post(f"http://127.0.0.1:{port}/flush_cache", timeout=10)
+            assert reply.status_code == (200 if opened else 403), reply.text
+            assert ("admin routes are OPEN" in child.log_tail(200)) is opened
+            sup.stop(child)
 
 
 def outside_paths(weights: SimpleNamespace) -> list[str]:

@@ -70,11 +70,12 @@ AppClient = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
 
 @pytest.fixture
 def app_client(loaded: LoadedModel) -> AppClient:
-    """``async with app_client(**settings) as client`` runs the app's lifespan around it."""
+    """``async with app_client(**settings) as client`` runs the app's lifespan around it.
+    Admin routes are open unless the test sets an admin token (auth has its own tests)."""
 
     @asynccontextmanager
     async def make(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-        settings = ScorerSettings(**{"max_wait_ms": 1.0, **overrides})
+        settings = ScorerSettings(**{"max_wait_ms": 1.0, "admin_open": True, **overrides})
         app = create_app(settings, loaded=loaded)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
