@@ -19,9 +19,10 @@ Every phase is skipped when its output exists (rerun the same command to resume)
 each one's progress is printed to stderr. Prints one JSON line: means over seeds of
 ``sft_em``, ``mempo_em``, ``grpo_em`` (memory mode, k = 1: the RL tasks' k),
 ``sft_p_mem``, ``mempo_p_mem``, ``grpo_p_mem``, ``mempo_tokens_per_task`` and
-``full_mode_tokens_per_task`` (the MemPO policy in memory and in full mode, at the
-largest evaluated k), ``minutes`` (one seed's whole run), then ``spread`` (standard
-deviation over seeds) and ``per_seed``; ``summary.json`` and ``curves.png`` in ``--out``.
+``full_mode_tokens_per_task`` (the MemPO policy in memory and in full mode; all at
+k = 1; every figure of the larger k has a ``_k<k>`` suffix), ``minutes`` (one seed's
+whole run), then ``spread`` (standard deviation over seeds) and ``per_seed``;
+``summary.json`` and ``curves.png`` in ``--out``.
 Goals (issue 24): mempo_em - sft_em >= 0.10; mempo_p_mem > grpo_p_mem; memory-mode tokens
 below full mode's; one seed <= 30 minutes on 2 cores. docs/results.md reads the numbers.
 
@@ -129,19 +130,20 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         model = last_weights(folder / arm)
         minutes[f"eval-{arm}"] = timed(folder / f"eval-{arm}", lambda m=model, a=arm: evaluate(m, folder / f"eval-{a}", world, args))  # fmt: skip
         evals[arm] = figures(folder / f"eval-{arm}")
-    k1, top = "1", args.ks.split(",")[-1]
+    k1 = "1"
     row: dict[str, Any] = {"seed": seed, "world": world, "minutes": sum(minutes.values())}
     for name, ev in evals.items():
         row[f"{name}_em"] = ev["memory"][k1]["em"]
         row[f"{name}_f1"] = ev["memory"][k1]["f1"]
         row[f"{name}_p_mem"] = ev["memory"][k1].get("p_mem")
         row[f"{name}_p_full"] = ev["memory"][k1].get("p_full")
-        row[f"{name}_tokens_per_task"] = ev["memory"][top]["tokens_per_task"]
-        row[f"{name}_full_mode_tokens_per_task"] = ev["full"][top]["tokens_per_task"]
+        row[f"{name}_tokens_per_task"] = ev["memory"][k1]["tokens_per_task"]
+        row[f"{name}_full_mode_tokens_per_task"] = ev["full"][k1]["tokens_per_task"]
         row[f"{name}_full_mode_em"] = ev["full"][k1]["em"]
-        for k in args.ks.split(","):
-            row[f"{name}_em_k{k}"] = ev["memory"][k]["em"]
-            row[f"{name}_f1_k{k}"] = ev["memory"][k]["f1"]
+        for k in args.ks.split(",")[1:]:
+            for mode, tag in (("memory", ""), ("full", "full_mode_")):
+                for figure in ("em", "f1", "tokens_per_task", "peak_tokens_mean"):
+                    row[f"{name}_{tag}{figure}_k{k}"] = ev[mode][k][figure]
         rl = folder / name / "metrics.jsonl"
         if rl.exists():
             rewards = [float(r.get("reward_mean") or 0.0) for r in read_metrics(rl)]
