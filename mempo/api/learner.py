@@ -12,6 +12,9 @@ LoopState = Literal["starting", "training", "finished", "failed", "stopped"]
 class DroppedCounts(BaseModel):
     duplicate: int = Field(ge=0, description="groups whose group_id was already trained on")
     stale: int = Field(ge=0, description="groups older than max_staleness versions")
+    foreign: int = Field(
+        default=0, ge=0, description="groups of tasks this run never admitted (trained on or dropped)"
+    )
 
 
 class PublishStatus(BaseModel):

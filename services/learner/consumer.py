@@ -90,6 +90,7 @@ class GroupConsumer:
         trained: TrainedIds | None = None,
         on_drop: Callable[[DropReason], None] | None = None,
         validate: Callable[[Group], str | None] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError("batch_groups must be >= 1 and max_staleness >= 0")
@@ -98,6 +99,8 @@ class GroupConsumer:
         self.trained = trained or TrainedIds()
         self.on_drop = on_drop
         self.validate = validate
+        # This run's groups are "{run_id}-g{i}" (admission.py); None: every group is ours.
+        self.own_prefix = f"{run_id}-g" if run_id is not None else ""
         self._batch = Batch()
         self._pending_read = False
 
@@ -149,7 +152,10 @@ class GroupConsumer:
                 self._batch.deliveries.append(delivery)
                 continue
             await self.queue.ack_groups([delivery.entry_id])
-            await self.state.count_dropped(reason)
+            if self.is_own(delivery.record):
+                await self.state.count_dropped(reason)
+            else:
+                await self.state.add(foreign=1)
             if self.on_drop is not None:
                 self.on_drop(reason)
             log.info(
@@ -177,6 +183,11 @@ class GroupConsumer:
         for delivery in batch.deliveries:
             await self._dead_letter(delivery, why)
 
+    def is_own(self, group: Group) -> bool:
+        """Whether ``group`` answers a task this run admitted (only those count against
+        admission: a foreign group consumed must not make room for more tasks)."""
+        return group.group_id.startswith(self.own_prefix)
+
     def _drop_reason(self, group: Group, version: int) -> DropReason | None:
         if group.group_id in self.trained or group.group_id in self._batch.group_ids:
             return "duplicate"
@@ -192,7 +203,8 @@ class GroupConsumer:
         """The batch is trained and its checkpoint durable: ack and count it."""
         self.trained_on(batch)
         await self.queue.ack_groups(batch.entry_ids)
-        await self.state.add(consumed=len(batch.deliveries))
+        own = sum(self.is_own(group) for group in batch.groups)
+        await self.state.add(consumed=own, foreign=len(batch.deliveries) - own)
 
     async def release(self, batch: Batch, reason: str) -> None:
         """Training failed: record why; the groups stay pending and come back after

@@ -93,6 +93,7 @@ class LearnerLoop:
             resumed.trained_group_ids if resumed else (), settings.keep_trained_ids
         )
         state = LearnerState(queue)
+        run_id = await state.run_id()
         metrics = metrics or LearnerMetrics()
         consumer = GroupConsumer(
             queue,
@@ -102,6 +103,7 @@ class LearnerLoop:
             trained,
             on_drop=lambda reason: metrics.groups_dropped.labels(reason).inc(),
             validate=lambda group: validate_group(group, trainer.vocab_size),
+            run_id=run_id,
         )
         source = await asyncio.to_thread(
             open_source,
@@ -111,7 +113,7 @@ class LearnerLoop:
             settings.task_seed,
         )
         spec = TaskSpec(n=settings.group_size, mode=settings.mode, max_rounds=settings.max_rounds)
-        admission = Admission(queue, state, source, spec, settings.capacity, await state.run_id())
+        admission = Admission(queue, state, source, spec, settings.capacity, run_id)
         publisher = WeightPublisher(
             queue,
             settings.weights_root,

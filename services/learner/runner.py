@@ -126,7 +126,9 @@ class LearnerRunner:
             version=loop.trainer.version if loop else int(raw.get("version", 0)),
             admitted=counts.admitted,
             consumed=counts.consumed,
-            dropped=DroppedCounts(duplicate=counts.dropped_duplicate, stale=counts.dropped_stale),
+            dropped=DroppedCounts(
+                duplicate=counts.dropped_duplicate, stale=counts.dropped_stale, foreign=counts.foreign
+            ),
             in_flight=max(0, in_flight),
             capacity=self.settings.capacity,
             last_publish=None

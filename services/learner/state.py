@@ -15,17 +15,20 @@ from typing import Literal
 from mempo.queue import RedisQueue
 
 DropReason = Literal["duplicate", "stale"]
-_COUNTERS = ("admitted", "consumed", "dropped_duplicate", "dropped_stale")
+_COUNTERS = ("admitted", "consumed", "dropped_duplicate", "dropped_stale", "foreign")
 
 
 @dataclass(frozen=True)
 class Counts:
-    """Tasks admitted, groups trained on, groups dropped (duplicate / stale)."""
+    """Tasks admitted, groups trained on, groups dropped (duplicate / stale): of this run's
+    tasks; ``foreign``: groups of tasks this run never admitted (another run's, or pushed
+    by hand), trained on or dropped, and never counted against admission."""
 
     admitted: int = 0
     consumed: int = 0
     dropped_duplicate: int = 0
     dropped_stale: int = 0
+    foreign: int = 0
 
     @property
     def in_flight(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from mempo.keys import Keys
 from mempo.queue import RedisQueue
+from mempo.schemas import Task
 from mempo.world import World
 from services.learner.admission import Admission, FileTasks, TaskSpec, WorldTasks
 from services.learner.consumer import GroupConsumer
@@ -29,7 +30,9 @@ def _parts(
         capacity=(staleness + 1) * batch,
         run_id="run-test",
     )
-    consumer = GroupConsumer(queue, state, batch_groups=batch, max_staleness=staleness)
+    consumer = GroupConsumer(
+        queue, state, batch_groups=batch, max_staleness=staleness, run_id="run-test"
+    )
     return queue, state, admission, consumer
 
 
@@ -128,6 +131,36 @@ async def test_a_dead_lettered_task_frees_its_place(
     assert (await state.counts()).in_flight == 2  # the counters never hear of it
     assert await admission.in_flight() == 1  # the streams do
     assert await admission.admit() == 1
+
+
+async def test_groups_of_tasks_this_run_never_admitted_do_not_count_against_admission(
+    redis_client: object, keys: Keys, world: World
+) -> None:
+    """6 groups pushed by hand (or left by another run) are trained on, counted as foreign,
+    and never make room for more tasks than the bound (the counter went to -5)."""
+    queue, state, admission, consumer = _parts(redis_client, keys, world, batch=2, staleness=0)
+    await queue.ensure_groups()
+    assert await admission.admit() == 2
+    for i in range(6):
+        task = Task(group_id=f"elsewhere-g{i}", questions=["q?"], answers=[["a"]], n=2)
+        await queue.publish_group(make_group(task, seed=i))
+    for _ in range(3):
+        batch = await consumer.next_batch(0, block_ms=None)
+        assert batch is not None
+        await consumer.ack(batch)
+    counts = await state.counts()
+    assert (counts.consumed, counts.foreign, counts.in_flight) == (0, 6, 2)
+    assert await admission.admit() == 0  # the two admitted tasks are still out
+    stale = Task(group_id="elsewhere-g9", questions=["q?"], answers=[["a"]], n=2)
+    await queue.publish_group(make_group(stale, policy_version=0))
+    assert await consumer.next_batch(3, block_ms=None) is None  # stale: dropped, as foreign
+    counts = await state.counts()
+    assert (counts.dropped_stale, counts.foreign, counts.in_flight) == (0, 7, 2)
+    await _roll_out(queue, 0, limit=2)  # this run's groups
+    batch = await consumer.next_batch(0, block_ms=None)
+    assert batch is not None and all(consumer.is_own(g) for g in batch.groups)
+    await consumer.ack(batch)
+    assert (await state.counts()).in_flight == 0 and await admission.admit() == 2
 
 
 def test_world_tasks_are_deterministic_with_k_from_the_list(world: World) -> None:

@@ -80,7 +80,7 @@ async def test_the_service_trains_and_reports_its_status(
         metrics = (await client.get("/metrics")).text
     assert status.step == status.version == 2
     assert (status.admitted, status.consumed, status.in_flight, status.capacity) == (6, 4, 2, 2)
-    assert status.dropped.model_dump() == {"duplicate": 0, "stale": 0}
+    assert status.dropped.model_dump() == {"duplicate": 0, "stale": 0, "foreign": 0}
     assert status.last_publish is not None and status.last_publish.version == 2
     assert status.last_publish.updated == sorted(e.url for e in engines)
     assert status.last_metrics is not None and status.last_metrics["step"] == 2
