@@ -277,7 +277,7 @@ def inside_root(path: str, root: str | Path | None) -> Path:
     except (ValueError, RuntimeError, OSError) as exc:
         raise BadInput(f"model_path: not a usable path ({exc})"[:300]) from None
     if resolved != root_resolved and root_resolved not in resolved.parents:
-        raise Forbidden(f"model_path must lie inside the weights root {root_resolved}")
+        raise Forbidden("model_path must lie inside the weights root")
     return resolved
 
 

@@ -78,9 +78,15 @@ def _open_checked(path: Path, root: Path | None) -> int:
                 raise WeightsOutsideRoot(f"{path.name}: changed while being opened") from exc
             same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
             if not (same and _inside(real, real_root)):
+                raise WeightsOutsideRoot(f"{path.name} resolves outside the weights root")
+            # A hard link is the same file inside and out: whoever made it could make the
+            # root serve a file it does not own. Only single-link files of ours or root's.
+            if opened.st_nlink > 1:
                 raise WeightsOutsideRoot(
-                    f"{path.name} resolves outside the weights root {real_root}"
+                    f"{path.name} has {opened.st_nlink} hard links: weights files must have one"
                 )
+            if opened.st_uid not in (os.geteuid(), 0):
+                raise WeightsOutsideRoot(f"{path.name} belongs to another user (uid {opened.st_uid})")
     except BaseException:
         os.close(fd)
         raise

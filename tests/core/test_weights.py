@@ -115,9 +115,25 @@ def test_every_file_must_resolve_inside_the_root(tmp_path: Path) -> None:
     with pytest.raises(WeightsFormatError, match="more than one file"):  # a link inside is fine
         map_safetensors(root / "v1", root)
     (root / "v1" / "link.safetensors").unlink()
+    os.link(root / "v1" / "real.safetensors", outside / "hard.safetensors")  # the same file out
+    with pytest.raises(WeightsOutsideRoot, match="2 hard links") as refused:
+        map_safetensors(root / "v1", root)
+    assert str(root) not in str(refused.value)  # no absolute path of the root in a message
+    (outside / "hard.safetensors").unlink()
+    assert torch.equal(map_safetensors(root / "v1", root)["w"], torch.ones(2))
+    (root / "v1" / "real.safetensors").unlink()
     os.mkfifo(root / "v1" / "pipe.safetensors")  # opening it must not hang
     with pytest.raises(WeightsFormatError, match="not a regular file"):
         map_safetensors(root / "v1", root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "v1").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "v1" / "model.safetensors")
+    os.chown(tmp_path / "v1" / "model.safetensors", 12345, 12345)
+    with pytest.raises(WeightsOutsideRoot, match="another user"):
+        map_safetensors(tmp_path / "v1", tmp_path)
 
 
 def test_check_weights_against_the_model(tmp_path: Path) -> None:
