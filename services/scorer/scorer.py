@@ -93,11 +93,15 @@ class ScorerService:
 
     # ----------------------------------------------------------------- planning (request threads)
 
-    def _check(self, plan: Plan, field: str) -> None:
-        loaded = self.holder.current
+    def _sequence_limit(self) -> int:
+        """The tokens one trajectory or item may hold: max_sequence_tokens, or the model's
+        positions where fewer (the limit really applied, which the byte caps derive from)."""
         limit = self.settings.max_sequence_tokens
-        if loaded.max_positions:
-            limit = min(limit, loaded.max_positions)
+        positions = self.holder.current.max_positions
+        return min(limit, positions) if positions else limit
+
+    def _check(self, plan: Plan, field: str) -> None:
+        limit = self._sequence_limit()
         for i, row in enumerate(plan.rows):
             if row.num_tokens > limit:
                 raise TooLarge(
@@ -125,14 +129,14 @@ class ScorerService:
                 f"{field}: {len(entries)} exceed the limit of {max_entries} per request "
                 f"(max_{field})"
             )
-        per_entry = int(settings.max_sequence_tokens * settings.max_text_bytes_per_token)
+        per_entry = int(self._sequence_limit() * settings.max_text_bytes_per_token)
         total = 0
         for i, entry in enumerate(entries):
             size = text_bytes(texts(entry))
             if size > per_entry:
                 raise TooLarge(
                     f"{field}.{i}: {size} bytes of text exceed the limit of {per_entry} "
-                    "(max_sequence_tokens x max_text_bytes_per_token); it was not tokenised"
+                    "(the sequence limit x max_text_bytes_per_token); it was not tokenised"
                 )
             total += size
         per_request = int(settings.max_request_tokens * settings.max_text_bytes_per_token)

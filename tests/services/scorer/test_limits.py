@@ -103,6 +103,23 @@ async def test_text_over_the_byte_limits_is_refused_before_tokenising(
         assert planned == ["plan_score_request"]
 
 
+async def test_the_byte_cap_follows_the_model_positions_below_max_sequence_tokens(
+    app_client: AppClient, loaded: LoadedModel
+) -> None:
+    """The limit applied is min(max_sequence_tokens, the model's positions): an item too
+    long for the model is refused on its bytes, not after tokenising (11 s for 15 MB)."""
+    positions = loaded.max_positions
+    assert positions is not None and positions < 32768
+    async with app_client(max_sequence_tokens=32768) as client:
+        scorer = client.app.state.scorer  # type: ignore[attr-defined]
+        item = {"context": "z" * (positions * 16 + 1), "answers": ["x"]}
+        started = time.perf_counter()
+        resp = await client.post("/v1/score", json={"items": [item]})
+        assert resp.status_code == 413 and "bytes" in resp.json()["message"], resp.text
+        assert str(positions * 16) in resp.json()["message"]
+        assert time.perf_counter() - started < 1.0 and scorer.holder.current is not None
+
+
 async def test_entries_per_request_are_capped(app_client: AppClient) -> None:
     async with app_client(max_trajectories=3, max_items=2) as client:
         resp = await client.post("/v1/memory-scores", json={"trajectories": [TRAJECTORY] * 4})
