@@ -12,6 +12,7 @@ Prints one JSON line: {"ms_per_round", "concurrent_episodes", "errors", ...}.
 Goal: ms_per_round < 5.
 
     python benchmarks/agent_overhead.py [--tasks 60] [--concurrent 1000]
+    python benchmarks/agent_overhead.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
@@ -123,5 +124,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=60, help="sequential 3-question tasks")
     parser.add_argument("--concurrent", type=int, default=1000, help="episodes at once")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    if args.smoke:  # 2 sequential tasks per mode; 16 concurrent episodes (2 tasks x n = 8)
+        args.tasks, args.concurrent = 2, 16
     asyncio.run(main(args.tasks, args.concurrent))

@@ -17,6 +17,7 @@ Timed: steps after one warm-up step, alternating the two, in one process (same t
 tok/s counts the batch's real tokens (prompt + response) per step second.
 
     python benchmarks/learner_vs_trl.py [--steps 3] [--groups 16] [--n 4]
+    python benchmarks/learner_vs_trl.py --smoke   # seconds-scale sizes: checks it runs
 
 Prints one JSON line: {"ours_tok_s": ..., "trl_tok_s": ..., "ratio": ...}.
 """
@@ -219,7 +220,10 @@ def main() -> None:
     parser.add_argument(
         "--model", type=Path, default=None, help="HF folder (default: the tiny model)"
     )
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    if args.smoke:  # 2 groups x 4 = 8 rounds: one TRL micro-batch; one timed step a side
+        args.steps, args.groups, args.n = 1, 2, 4
     model_dir = args.model or ensure_tiny(default_cache_dir())
     from transformers import AutoConfig
 

@@ -13,7 +13,8 @@ commands and services:
    steps, sampling seed s) and eval of its last weights. Arms: ``mempo`` (memory
    advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
    ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
-   over its own tokens, FoldAct). An arm added later runs alone on the next call.
+   over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks). An
+   arm added later runs alone on the next call.
 
 Every phase is skipped when its output exists (rerun the same command to resume), and
 each one's progress is printed to stderr. Prints one JSON line: means over seeds of
@@ -58,9 +59,10 @@ MEMPO = [sys.executable, "-m", "mempo.cli"]
 AGENT_WORLDS = 100_000
 assert FIRST_WORLD + max(p.pretrain_worlds for p in PRESETS.values()) < AGENT_WORLDS
 ARMS = {
-    "mempo": ["--alpha", "1"],
-    "grpo": ["--alpha", "0"],
-    "span": ["--alpha", "1", "--mem-loss", "span-mean"],  # MemPO with FoldAct's per-span loss
+    "mempo": ["--alpha", "1", "--questions", "1"],
+    "grpo": ["--alpha", "0", "--questions", "1"],
+    "span": ["--alpha", "1", "--questions", "1", "--mem-loss", "span-mean"],  # FoldAct's per-span loss
+    "mempo-k12": ["--alpha", "1", "--questions", "1,2"],  # MemPO on 1- and 2-question tasks
 }
 
 
@@ -106,7 +108,7 @@ def figures(out: Path) -> dict[str, dict[str, dict[str, float]]]:
 def train(folder: Path, sft_model: Path, arm: str, seed: int, world: int, args: argparse.Namespace) -> None:
     shutil.rmtree(folder, ignore_errors=True)  # a run cut short starts again
     run([*MEMPO, "up", "--model", str(sft_model), "--name", folder.name, "--runs-root", str(folder.parent),
-         "--steps", str(args.rl_steps), *ARMS[arm], "--questions", "1", "--group-size", str(args.group_size),
+         "--steps", str(args.rl_steps), *ARMS[arm], "--group-size", str(args.group_size),
          "--batch-groups", str(args.batch_groups), "--seed", str(seed), "--world-seed", str(world),
          "--no-heldout"])  # fmt: skip
 

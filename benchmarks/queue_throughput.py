@@ -6,6 +6,7 @@ the same redis-server, is a raw SET + GET of the same number of bytes. Prints on
 line: {"payload_mb_s", "raw_mb_s", "ratio", ...}. Goal: ratio >= 0.3.
 
     python benchmarks/queue_throughput.py [--reps 20] [--encoding sidecar|b64|plain]
+    python benchmarks/queue_throughput.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def encoded_size(group: Group, encoding: str) -> int:
     return len(group.model_dump_json(context={"pack": encoding == "b64"}))
 
 
-async def measure(url: str, reps: int, encoding: str) -> dict[str, object]:
+async def measure(url: str, reps: int, encoding: str, group: Group | None = None) -> dict[str, object]:
     redis = connect(url)
     queue = RedisQueue(redis, Keys("bench:"), consumer="bench")
     await queue.ensure_groups()
-    group = make_group()
+    group = group or make_group()
     size = encoded_size(group, encoding)
 
     # Same byte count, ASCII like the payload (the client decodes replies to str in both cases).
@@ -104,9 +105,13 @@ def main() -> None:
         "--encoding", choices=["sidecar", "b64", "plain"], default="sidecar",
         help="sidecar: JSON + raw array bytes (the queue's); b64: packed JSON; plain: JSON lists",
     )
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    group = None
+    if args.smoke:  # one repetition of a 2 trajectories x 2 rounds x 64 tokens group
+        args.reps, group = 1, make_group(trajectories=2, rounds=2, tokens=64)
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
-        result = asyncio.run(measure(server.url, args.reps, args.encoding))
+        result = asyncio.run(measure(server.url, args.reps, args.encoding, group))
     print(json.dumps(result))
 
 

@@ -9,6 +9,7 @@ indexed once with `build_index`; batches of 64 questions, top-3. Measured in one
 - baseline_qps: rank-bm25 (pure Python BM25Okapi, same tokens), a few queries.
 
 Prints one JSON line. Usage: python benchmarks/retrieval_qps.py [--passages 100000]
+(``--smoke``: seconds-scale sizes, checks it runs).
 """
 
 from __future__ import annotations
@@ -137,7 +138,10 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=100_000)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--baseline-queries", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    if args.smoke:  # 2 batches of 64 (so the 4 HTTP clients overlap), 1 rank-bm25 query
+        args.passages, args.batches, args.baseline_queries = 500, 2, 1
 
     passages, questions = synthetic_corpus(args.passages)
     sample = random.Random(1).sample(questions, BATCH * args.batches)

@@ -13,6 +13,7 @@ A group of 16 trajectories with T in {2, 4, 8} rounds from the synthetic world's
 Prints one JSON line per T. Goals at T=8: shared_over_forward <= 1.2, speedup_vs_naive >= 5.
 Times are best-of-N, interleaved. Run:
     python benchmarks/scorer_prefix_sharing.py [--repeats 5] [--model PATH]
+    python benchmarks/scorer_prefix_sharing.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return best
 
 
-def run(model_path: Path, rounds: int, repeats: int) -> dict[str, float | int]:
+def run(model_path: Path, rounds: int, repeats: int, size: int = GROUP) -> dict[str, float | int | str]:
     loaded = load_model(model_path, "bench", device="auto")
     tok, model = loaded.tokenizer, loaded.model
-    group = trajectories(rounds)
+    group = trajectories(rounds, size)
     plan = Plan()
     for trajectory in group:
         plan_memory(plan, tok, trajectory, "best")
@@ -141,10 +142,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="HF causal LM folder")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    size = GROUP
+    if args.smoke:  # T = 2 only, a group of 2 trajectories, one timed repetition
+        args.rounds, args.repeats, size = [2], 1, 2
     model_path = args.model or ensure_tiny(default_cache_dir())
     for rounds in args.rounds:
-        print(json.dumps(run(model_path, rounds, args.repeats)), flush=True)
+        print(json.dumps(run(model_path, rounds, args.repeats, size)), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ questions, weighs more the shorter they are): the world's passages are about 83 
 (``WorldConfig.background`` sentences per passage), wiki-18's are 100.
 
     python benchmarks/token_efficiency.py [--tasks 20] [--ks 1,2,4,6,8,10]
+    python benchmarks/token_efficiency.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
@@ -86,5 +87,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=20, help="tasks per k")
     parser.add_argument("--ks", default="1,2,4,6,8,10", help="questions per task")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    if args.smoke:  # 2 tasks at k = 1 and k = 2
+        args.tasks, args.ks = 2, "1,2"
     asyncio.run(main(args.tasks, [int(k) for k in args.ks.split(",")]))

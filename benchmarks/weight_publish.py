@@ -10,6 +10,7 @@ process's ``/model_info`` must report the new version. Prints one JSON line:
 {"publish_s", "copy_s", "ratio", ...}. Goal: ratio <= 2.
 
     python benchmarks/weight_publish.py [--preset medium|reader|test] [--reps 5]
+    python benchmarks/weight_publish.py --smoke   # seconds-scale sizes: checks it runs
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -35,7 +37,7 @@ from mempo.procs import RedisServer, free_port, wait_ready
 from mempo.queue import EngineInfo, RedisQueue, connect
 from mempo.tiny import PRESETS, TinyConfig, default_cache_dir, ensure_tiny
 
-TOKEN = "bench-admin"
+TOKEN = secrets.token_hex(16)  # the services refuse short or placeholder admin secrets
 MODELS = {
     **PRESETS,
     # ~27M parameters, 108 MB of float32 safetensors
@@ -166,7 +168,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(MODELS), default="medium")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
+    if args.smoke:  # the random-weight test model; one warm-up publish and one timed
+        args.preset, args.reps = "test", 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = ensure_tiny(default_cache_dir(), MODELS[args.preset])
     with tempfile.TemporaryDirectory(prefix="mempo-publish-") as tmp, ExitStack() as stack:
