@@ -66,6 +66,10 @@ ARMS = {
 }
 
 
+# Step metrics of the learner (docs/trainer.md) averaged over each RL run.
+DIAGNOSTICS = ("mem_pool_silenced_frac", "mem_adv_agreement", "mem_reward_outcome_corr")
+
+
 def log(message: str) -> None:
     print(f"[learning-curve] {message}", file=sys.stderr, flush=True)
 
@@ -148,9 +152,14 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                     row[f"{name}_{tag}{figure}_k{k}"] = ev[mode][k][figure]
         rl = folder / name / "metrics.jsonl"
         if rl.exists():
-            rewards = [float(r.get("reward_mean") or 0.0) for r in read_metrics(rl)]
+            steps = read_metrics(rl)
+            rewards = [float(r.get("reward_mean") or 0.0) for r in steps]
             quarter = max(1, len(rewards) // 4)
             row[f"{name}_reward_change"] = statistics.fmean(rewards[-quarter:]) - statistics.fmean(rewards[:quarter])
+            for key in DIAGNOSTICS:  # does the memory advantage agree with the outcome? (step means)
+                values = [float(r[key]) for r in steps if r.get(key) is not None]
+                if values:
+                    row[f"{name}_{key}"] = statistics.fmean(values)
     row["full_mode_tokens_per_task"] = row[f"{args.arms[0]}_full_mode_tokens_per_task"]
     log(f"seed {seed} done: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     return row
@@ -158,7 +167,7 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def summarise(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Means and standard deviations over seeds of every number the seeds share."""
-    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and k not in ("seed", "world")]
+    keys = dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k not in ("seed", "world"))
     means, spread = {}, {}
     for key in keys:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
