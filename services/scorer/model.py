@@ -7,8 +7,10 @@ once per batch, so a batch in flight finishes on the weights it started with.
 An update reads nothing but the folder's ``*.safetensors``, through mempo.weights: each
 file must resolve inside the weights root, and the tensors must be exactly the model's
 (no missing, unexpected or reshaped tensor, no NaN / inf), as the CPU engine requires.
-They are copied into a copy of the current model: the architecture, config and
-tokenizer stay the ones the scorer started with (a weight update changes weights only).
+They become the parameters of a new model built from the current one (its structure
+copied, its parameters not: on CPU the mapped tensors are the parameters, elsewhere one
+copy to the device); the architecture, config and tokenizer stay the ones the scorer
+started with (a weight update changes weights only).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mempo.weights import check_weights, map_safetensors
+from mempo.weights import assign_weights, check_weights, map_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +104,18 @@ class ModelHolder:
         with self.update_lock:
             current = self.current
             state = map_safetensors(Path(path), root)
-            check_weights(state, current.model.state_dict(), str(path))
-            model = copy.deepcopy(current.model)
-            model.load_state_dict(state, strict=False)  # a tied weight arrives with its twin
+            expected = current.model.state_dict()
+            check_weights(state, expected, str(path))
+            # A new model that shares nothing with the serving one but the parameters,
+            # which assign_weights then replaces: no copy of the weights on this path
+            # (the files' mapped tensors become the parameters on CPU; one copy to the
+            # device and dtype elsewhere). The serving model is untouched until the swap.
+            params = {id(p): p for p in current.model.parameters()}
+            model = copy.deepcopy(current.model, memo=dict(params))
+            assign_weights(model, {
+                name: tensor.to(device=expected[name].device, dtype=expected[name].dtype)
+                for name, tensor in state.items()
+            })  # fmt: skip
             new = LoadedModel(
                 model,
                 current.tokenizer,

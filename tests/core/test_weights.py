@@ -18,6 +18,7 @@ from mempo.weights import (
     WeightsOutsideRoot,
     check_weights,
     map_safetensors,
+    non_finite,
 )
 
 
@@ -154,3 +155,21 @@ def test_check_weights_against_the_model(tmp_path: Path) -> None:
             check_weights({"a": torch.ones(2, 3), "b": b.to(torch.bfloat16)}, expected, "v1")
     tied = torch.zeros(5)
     check_weights({"emb": torch.ones(5)}, {"emb": tied, "head": tied}, "v1")  # tied: one is enough
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_non_finite_finds_every_nan_and_inf_and_no_overflowing_finite_sum(dtype: torch.dtype) -> None:
+    """The fast path sums each tensor: a finite sum clears it, a non-finite one (which
+    finite values can give by overflowing) is checked element by element."""
+    big = torch.finfo(dtype).max
+    huge = {"a": torch.full((4,), big, dtype=dtype), "b": torch.full((3,), -big, dtype=dtype)}
+    assert non_finite(huge) is None  # the sums overflow to +-inf, every value is finite
+    assert non_finite({"ids": torch.arange(5)}) is None  # integers are never checked
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 2, 5000):
+            tensor = torch.zeros(6000, dtype=dtype)
+            tensor[at] = bad
+            assert non_finite({"ok": torch.ones(3, dtype=dtype), "w": tensor}) == "w", (bad, at)
+    both = torch.zeros(10, dtype=dtype)
+    both[1], both[2] = float("inf"), float("-inf")  # sum NaN
+    assert non_finite({"w": both}) == "w"

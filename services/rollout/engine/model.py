@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mempo.weights import WeightsOutsideRoot, check_weights, map_safetensors
+from mempo.weights import WeightsOutsideRoot, assign_weights, check_weights, map_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +111,6 @@ class ModelRunner:
 
         The tensors are assigned, not copied (they view the mapped files); tied weights
         (lm_head = embeddings) are tied again to whichever of them the files hold."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        tied: dict[int, list[str]] = {}
-        for name, param in params.items():
-            tied.setdefault(param.data_ptr(), []).append(name)
-        self.model.load_state_dict(state, strict=False, assign=True)
-        for names in tied.values():  # re-tie each shared group to the tensor that was loaded
-            source = next((n for n in names if n in state), None)
-            if source is None or len(names) == 1:
-                continue
-            loaded = self.model.get_parameter(source)
-            for name in names:
-                if name != source:
-                    owner, _, leaf = name.rpartition(".")
-                    setattr(self.model.get_submodule(owner), leaf, loaded)
+        assign_weights(self.model, state)
         self.model_path = path
         log.info("loaded weights from %s", path)

@@ -64,6 +64,8 @@ async def test_an_update_copies_the_weights_into_a_new_model(
         served = client.app.state.scorer.current.model.state_dict()  # type: ignore[attr-defined]
     for name, tensor in doubled.items():
         assert torch.equal(served[name], tensor), name
+    for name in served.keys() - doubled.keys():  # a tied weight follows the one it shares
+        assert torch.equal(served[name], doubled["model.embed_tokens.weight"]), name
     assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in original.items())
 
 
