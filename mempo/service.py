@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,9 @@ from prometheus_client import (
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from mempo.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -330,16 +333,16 @@ def install_common(
     service: str,
     metrics: Metrics,
     ready: Callable[[], Awaitable[tuple[bool, str | None]]],
-    max_body_bytes: int,
-    admin_token: str | None,
-    admin_open: bool = False,
+    settings: ServiceSettings,
 ) -> None:
-    """Error handlers, body limit, request metrics and the /health, /ready, /metrics routes.
-    Admin routes need ``admin_token``; without one they are closed, or open (a warning)
-    when ``admin_open``."""
+    """Error handlers, the body limit (``settings.max_body_bytes``), request metrics and
+    the /health, /ready, /metrics routes. Admin routes need ``settings.admin_token``;
+    without one they are closed, or open (a warning) with ``settings.admin_open``."""
     install_error_handlers(app)
+    admin_token = settings.admin_token_value()
+    max_body_bytes = settings.max_body_bytes
     app.state.admin_token = admin_token or None
-    app.state.admin_open = admin_open and not admin_token
+    app.state.admin_open = settings.admin_open and not admin_token
     if app.state.admin_open:
         log.warning(
             "%s: the admin routes are OPEN to anyone who reaches this port (no admin token, "

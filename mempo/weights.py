@@ -186,7 +186,7 @@ def non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     A tensor whose sum is finite holds no NaN or inf (either would make the sum NaN or
     inf), so one reduction without a temporary clears it; only a non-finite sum (a NaN or
     inf, or finite values that overflow the sum) is looked at element by element.
-    26M float32 parameters, one thread: 0.008 s against 0.08 s element by element."""
+    Every receiver of a publish runs this (benchmarks/weight_publish.py)."""
     for name, tensor in tensors.items():
         if not tensor.is_floating_point():
             continue

@@ -45,10 +45,7 @@ def create_app(settings: LearnerSettings | None = None) -> FastAPI:
         runner: LearnerRunner | None = getattr(app.state, "runner", None)
         return (False, "starting") if runner is None else await runner.ready()
 
-    install_common(
-        app, "learner", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
-        settings.admin_open,
-    )
+    install_common(app, "learner", metrics, ready, settings)
 
     @app.get("/v1/status", response_model=LearnerStatus, tags=["learner"])
     async def status(runner: RunnerDep) -> LearnerStatus:

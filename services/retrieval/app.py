@@ -54,9 +54,6 @@ def create_app(settings: RetrievalSettings | None = None) -> FastAPI:
     async def ready() -> tuple[bool, str | None]:
         return service.readiness()
 
-    install_common(
-        app, "retrieval", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
-        settings.admin_open,
-    )
+    install_common(app, "retrieval", metrics, ready, settings)
     app.include_router(router)
     return app

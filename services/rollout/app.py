@@ -108,10 +108,7 @@ def create_app(
         await worker.check_redis()
         return worker.readiness()
 
-    install_common(
-        app, "rollout", metrics.metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
-        settings.admin_open,
-    )
+    install_common(app, "rollout", metrics.metrics, ready, settings)
 
     @app.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])
     async def status(worker: WorkerDep) -> WorkerStatus:

@@ -143,9 +143,6 @@ def create_app(
             return False, registration.problem  # it would never receive weight updates
         return True, None
 
-    install_common(
-        app, "scorer", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
-        settings.admin_open,
-    )
+    install_common(app, "scorer", metrics, ready, settings)
     app.include_router(router)
     return app

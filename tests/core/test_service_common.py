@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 from mempo.service import AdminDep, Forbidden, Metrics, Overloaded, inside_root, install_common
+from mempo.settings import ServiceSettings
 
 
 class Body(BaseModel):
@@ -22,10 +23,8 @@ def make_app(token: str | None = "s3cret", ready: bool = True, admin_open: bool 
     async def is_ready() -> tuple[bool, str | None]:
         return ready, None if ready else "index loading"
 
-    install_common(
-        app, "demo", Metrics("demo"), is_ready, max_body_bytes=2048, admin_token=token,
-        admin_open=admin_open,
-    )  # fmt: skip
+    settings = ServiceSettings(max_body_bytes=2048, admin_token=token, admin_open=admin_open)  # type: ignore[arg-type]
+    install_common(app, "demo", Metrics("demo"), is_ready, settings)
 
     @app.post("/echo")
     async def echo(body: Body) -> Body:

@@ -146,9 +146,6 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return False, "generation is paused"
         return True, None
 
-    install_common(
-        app, "engine", metrics, ready, settings.max_body_bytes, settings.admin_token_value(),
-        settings.admin_open,
-    )
+    install_common(app, "engine", metrics, ready, settings)
     install_sglang_errors(app)  # SGLang's 400 / 401 answers instead of 422 / 403
     return app
