@@ -9,17 +9,31 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import httpx
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and never handed out before by this process.
+
+    The kernel may give the same ephemeral port to two binds in a row once the first socket
+    is closed; two services of one launch were once given one port (the second failed to
+    bind, and its clients reached the first), so ports handed out are remembered."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def wait_ready(

@@ -91,3 +91,10 @@ def test_an_oversized_chunked_body_is_413(demo: tuple[int, Path]) -> None:
         status, _, body = exchange(sock, request)
     assert status == 413, body
     assert json.loads(body)["message"] == "request body exceeds the limit of 2048 bytes"
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """The kernel draws bind(0) ports at random from about 28 000: over 1000 draws a repeat
+    is all but certain (a launch once gave its scorer and an engine one port)."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
