@@ -5,11 +5,11 @@ worker fills a batch up to the token budget, waiting up to ``max_wait_s`` for mo
 requests after the first, and hands each request its own results through its asyncio
 future once all of its rows have run.
 
-Fairness: a request is cut into pieces of rows. While other requests wait, each turn
-gives the request at the head of the queue at most ``max_share`` of the budget, then
-sends it to the back; so a request of thousands of rows runs a piece per turn and a
-small request that comes after it waits for one turn, not for all of them. A request
-alone takes the whole budget. A request whose pieces ran under two weight versions is
+Fairness: a request is cut into pieces of rows. A batch holds at most one piece of each
+request, of at most ``max_share`` of the budget (a turn), and a request with rows left
+goes to the back of the queue; so a request of thousands of rows runs a piece per batch,
+even alone, and a small request that comes after it waits for the one batch running (a
+turn of each request queued), not for the whole budget or all its rows. A request whose pieces ran under two weight versions is
 run again from its first row (its results always come from one version). A request
 whose client has gone (its future is done) is dropped. ``stop`` stops intake, drains
 what is queued, then joins the thread.
@@ -122,9 +122,10 @@ class Batcher:
     # ----------------------------------------------------------------- worker thread
 
     def _cut(self, job: _Job, budget: int, first: bool) -> tuple[_Piece, int] | None:
-        """The job's next piece within ``budget`` tokens (and its turn's share while others
-        wait); None when not even its next row fits a batch that has pieces already."""
-        limit = min(budget, self.share_tokens) if len(self._jobs) > 1 else budget
+        """The job's next piece within ``budget`` tokens and a turn's share (its first row
+        goes alone if larger); None when not even that row fits a batch that has pieces
+        already."""
+        limit = min(budget, self.share_tokens)
         start = stop = job.next_row
         used = 0
         while stop < len(job.rows):
@@ -155,6 +156,8 @@ class Batcher:
                     if job.future.done():  # the client went away
                         self._jobs.popleft()
                         continue
+                    if any(p.job is job for p in pieces):  # every queued job had its turn
+                        break
                     cut = self._cut(job, self.max_batch_tokens - tokens, first=not pieces)
                     if cut is None:
                         break

@@ -69,8 +69,9 @@ class ScorerSettings(ServiceSettings):
     (413) before it is tokenised: it could not fit (real text has a few bytes per token)."""
 
     max_batch_share: float = Field(default=0.25, gt=0.0, le=1.0)
-    """Fair batching: while others wait, one request takes at most this share of a batch's
-    max_batch_tokens per turn; its remaining rows queue behind the other requests' turns."""
+    """Fair batching: one request puts at most this share of max_batch_tokens into a batch
+    (a turn), even alone; its remaining rows queue behind the other requests' turns, so a
+    request that comes later waits for one batch of turns, not for a whole budget of one."""
 
     redis_url: str | None = None
     """Redis to register with (role scorer) and to read the policy pointer from. Unset: none."""

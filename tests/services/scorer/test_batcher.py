@@ -115,9 +115,11 @@ def _tagged(n: int, tokens: int = 4) -> list[Row]:
 
 
 async def test_a_huge_request_does_not_starve_a_small_one() -> None:
+    """The small request waits for one turn of the big one (2 rows), not for a whole
+    budget of its rows (10): the big one's turn is bounded even while it runs alone."""
     gate = threading.Event()
     run = Recorder(gate)
-    # 4 tokens a row; a batch 40; while others wait, a turn takes 10 (2 rows)
+    # 4 tokens a row; a batch 40; a turn takes 10 (2 rows)
     batcher = Batcher(run, max_batch_tokens=40, max_wait_s=0.0, max_queue=8, max_share=0.25)
     batcher.start()
     finished: list[str] = []
@@ -134,12 +136,13 @@ async def test_a_huge_request_does_not_starve_a_small_one() -> None:
         result = await big
         await asyncio.sleep(0)  # let the done callbacks run
         turn = next(i for i, tags in enumerate(run.tags) if 999 in tags)
-        assert turn == 1 and run.tags[1][:3] == [10, 11, 999]  # the next turn, not 200 rows later
+        assert run.tags[0] == [0, 1]  # alone, the big one still ran one turn, not 10 rows
+        assert turn == 1 and run.tags[1] == [2, 3, 999]  # the next batch, not 200 rows later
     finally:
         gate.set()
         batcher.stop()
     assert result.logprobs == {(i, 1): [float(i)] for i in range(200)}  # its own rows, in order
-    assert finished == ["small", "big"] and max(run.batches) <= 10  # no batch over budget
+    assert finished == ["small", "big"] and max(run.batches) <= 3  # one turn of each job
 
 
 async def test_a_request_spanning_two_weight_versions_is_rerun_on_one() -> None:
