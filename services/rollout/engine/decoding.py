@@ -49,8 +49,10 @@ class Decoder:
         weight_version: str,
         seed: int = 0,
         observer: Observer | None = None,
+        max_prefill_tokens: int = 16384,
     ) -> None:
         self.runner = runner
+        self.max_prefill_tokens = max_prefill_tokens
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.observer = observer
@@ -89,7 +91,30 @@ class Decoder:
         self._drop(list(range(len(self.seqs))))
 
     def prefill(self, seqs: list[Sequence]) -> None:
-        """Run the new sequences' prompts, sample their first tokens, join the batch."""
+        """Run the new sequences' prompts in chunks of at most ``max_prefill_tokens`` padded
+        tokens (a longer prompt alone), sample their first tokens, join the batch. Between
+        chunks, sequences aborted meanwhile (their client left) are finished unrun: a
+        maximal admission stops within one chunk, not after the whole prefill."""
+        chunk: list[Sequence] = []
+        for seq in seqs:
+            longest = max(len(s.spec.prompt_ids) for s in [*chunk, seq])
+            if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
+                self._prefill_live(chunk)
+                chunk = []
+            chunk.append(seq)
+        self._prefill_live(chunk)
+
+    def _prefill_live(self, seqs: list[Sequence]) -> None:
+        live = []
+        for seq in seqs:
+            if seq.abort_message is not None:
+                self.finish(seq, {"type": "abort", "message": seq.abort_message})
+            else:
+                live.append(seq)
+        if live:
+            self._prefill(live)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             seq.weight_version = self.weight_version
         keep = max(seq.spec.logits_needed() for seq in seqs)

@@ -129,6 +129,7 @@ class Engine:
             weight_version=settings.weight_version,
             seed=settings.seed,
             observer=observer,
+            max_prefill_tokens=settings.max_prefill_tokens,
         )
         observer.watch(runtime)
         runtime.start()

@@ -72,11 +72,14 @@ class EngineRuntime:
         weight_version: str = "0",
         seed: int = 0,
         observer: Observer | None = None,
+        max_prefill_tokens: int = 16384,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self._cv = threading.Condition()
-        self.decoder = Decoder(runner, tokenizer, self._cv, weight_version, seed, observer)
+        self.decoder = Decoder(
+            runner, tokenizer, self._cv, weight_version, seed, observer, max_prefill_tokens
+        )
         self._waiting: deque[Sequence] = deque()
         self._admitting: list[Sequence] = []  # taken from the queue, being prefilled
         self._paused = False

@@ -33,6 +33,11 @@ class EngineSettings(ServiceSettings):
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     """Sequences decoded together in one forward pass."""
 
+    max_prefill_tokens: int = Field(default=16384, ge=1)
+    """Padded tokens (rows x longest prompt) of one prefill forward; admitted sequences are
+    prefilled in chunks of this size (a longer prompt alone), and those whose client left
+    meanwhile are dropped between chunks."""
+
     max_wait_ms: float = Field(default=5.0, ge=0.0)
     """How long a waiting request may wait for others to share its prefill."""
 

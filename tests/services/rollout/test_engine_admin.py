@@ -257,6 +257,27 @@ def test_a_client_that_disconnects_aborts_its_generation(url: str) -> None:
         time.sleep(0.05)
 
 
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_within_a_chunk(url: str) -> None:
+    """12 prompts of 7,000 ids (about 15 s as one prefill forward here): prefilled 2 at a
+    time (max_prefill_tokens 16,384), the chunks after the client left never run."""
+    port = int(url.rsplit(":", 1)[1])
+    before = httpx.get(f"{url}/server_info").json()["internal_states"][0]["prefill_batches"]
+    prompts = [[5 + i] * 7000 for i in range(12)]
+    body = json.dumps({"input_ids": prompts, "rid": "long", "sampling_params": sampled(1, 0)}).encode()
+    head = f"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head.encode() + body)
+        time.sleep(0.5)
+    left = time.monotonic()
+    while True:
+        state = httpx.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+        if not state["running"] and not state["waiting"]:
+            break
+        assert time.monotonic() - left < 10, f"the prefill outlived its client: {state}"
+        time.sleep(0.05)
+    assert state["prefill_batches"] - before <= 3  # of 6 chunks
+
+
 def test_the_cli_serves_an_engine_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "MEMPO_ENGINE_ADMIN_TOKEN": "cli-token-0123456789abcdef", "MEMPO_ENGINE_THREADS": "1"}
