@@ -84,7 +84,10 @@ def _prompts(
             raise BadInput("text: must not be an empty list")
         _check_samples(req, len(texts), limits)
         _check_text_bytes(texts, limits)
-        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = []
+        for text in texts:  # one over the context stops it: the rest are not tokenised
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            _check_context(len(prompts[-1]), limits)
         return prompts, isinstance(req.text, list)
     ids: Any = req.input_ids
     if not ids:
@@ -126,6 +129,14 @@ def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
     return [str(r) for r in _per_prompt(rid, count, "rid")]
 
 
+def _check_context(tokens: int, limits: Limits) -> None:
+    if tokens >= limits.context_length:
+        raise ContextExceeded(
+            f"The input ({tokens} tokens) is longer than the model's context length "
+            f"({limits.context_length} tokens)."
+        )
+
+
 def check_prompt(prompt: list[int], params: SamplingParams, limits: Limits, where: str) -> None:
     if not prompt:
         raise BadInput(f"{where}: a prompt must have at least one token")
@@ -134,11 +145,7 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: Limits, wher
         raise BadInput(
             f"{where}: token ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"
         )
-    if len(prompt) >= limits.context_length:
-        raise ContextExceeded(
-            f"The input ({len(prompt)} tokens) is longer than the model's context length "
-            f"({limits.context_length} tokens)."
-        )
+    _check_context(len(prompt), limits)
     total = len(prompt) + params.max_new_tokens
     if total > limits.context_length:
         raise ContextExceeded(

@@ -120,6 +120,17 @@ def test_oversized_texts_are_refused_before_tokenising(
     assert fits.status_code == 200 and counting.calls == 1
 
 
+def test_tokenising_stops_at_the_first_text_over_the_context(
+    served: tuple[str, Engine], counting: CountingTokenizer
+) -> None:
+    """Texts within the byte caps but each over the context: the first one is a 400, the
+    other five are never tokenised."""
+    texts = [f"{i} " + "x " * 300 for i in range(6)]  # 600 bytes, 600 tokens: each fits 1024
+    too_long = post(url=served[0], body={"text": texts, "sampling_params": {"max_new_tokens": 1}})
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    assert counting.calls == 1  # not 6
+
+
 async def test_tokenising_does_not_block_the_event_loop(
     served: tuple[str, Engine], counting: CountingTokenizer
 ) -> None:
