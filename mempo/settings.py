@@ -39,6 +39,10 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Requests with a larger body get 413."""
 
+    request_read_timeout_s: float = Field(default=30.0, gt=0.0)
+    """A request not fully sent (headers and body) this long after its first byte has its
+    connection closed; a request fully read is never cut, however long its answer takes."""
+
     log_level: str = "INFO"
     """Python logging level."""
 
@@ -131,6 +135,8 @@ def serve(app: Any, settings: ServiceSettings) -> None:
     A placeholder or short secret ends the process first (exit 2)."""
     import uvicorn
 
+    from mempo.httpserver import read_timeout_protocol
+
     refuse_weak_secrets(settings)
     configure_logging(settings.log_level)
     uvicorn.run(
@@ -140,4 +146,5 @@ def serve(app: Any, settings: ServiceSettings) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=10,
+        http=read_timeout_protocol(settings.request_read_timeout_s),
     )
