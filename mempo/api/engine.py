@@ -105,6 +105,41 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     flush_cache: bool = True
 
 
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """``/init_weights_update_group``: join the learner's weight-update group (rank 0 is
+    the learner; this engine's rank is ``rank_offset``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2, le=65536)
+    group_name: str = Field(default="weight_update_group", min_length=1, max_length=200)
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """``/update_weights_from_distributed``: the next bucket the learner broadcasts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str] = Field(min_length=1, max_length=100_000)
+    dtypes: list[str] = Field(min_length=1, max_length=100_000)
+    shapes: list[list[Annotated[int, Field(ge=0)]]] = Field(min_length=1, max_length=100_000)
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightsResponse(BaseModel):
     success: bool
     message: str = ""

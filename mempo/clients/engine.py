@@ -302,6 +302,58 @@ class EngineClient:
         raw = await self._post("/update_weights_from_disk", body, admin=True, attempts=attempts)
         return UpdateWeightsResponse.model_validate(raw)
 
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> UpdateWeightsResponse:
+        """Ask the engine to join the learner's weight-update group; answers once every
+        rank has joined (the learner joins at the same time, as rank 0)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        raw = await self._post("/init_weights_update_group", body, admin=True, attempts=1)
+        return UpdateWeightsResponse.model_validate(raw)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+        group_name: str = "weight_update_group",
+        load_format: str | None = "flattened_bucket",
+    ) -> UpdateWeightsResponse:
+        """Tell the engine what the learner broadcasts next; answers once it is loaded."""
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "load_format": load_format,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        raw = await self._post("/update_weights_from_distributed", body, admin=True, attempts=1)
+        return UpdateWeightsResponse.model_validate(raw)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> UpdateWeightsResponse:
+        raw = await self._post(
+            "/destroy_weights_update_group", {"group_name": group_name}, admin=True, attempts=1
+        )
+        return UpdateWeightsResponse.model_validate(raw)
+
     async def flush_cache(self) -> None:
         await self._post("/flush_cache", {}, admin=True)
 

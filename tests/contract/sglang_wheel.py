@@ -41,6 +41,9 @@ IO_STRUCTS = (
     "ContinueGenerationReqInput",
     "UpdateWeightFromDiskReqInput",
     "AbortReq",
+    "InitWeightsUpdateGroupReqInput",
+    "UpdateWeightsFromDistributedReqInput",
+    "DestroyWeightsUpdateGroupReqInput",
 )
 
 

@@ -1,8 +1,9 @@
 """Every request body the engine client can build, against SGLang's own contract at the
 pinned release (issue 14, item 5), read out of the sglang wheel (tests/contract/
 sglang_wheel.py): /generate with each sampling option the worker uses passes
-``generate_contract_error``; update_weights_from_disk, pause / continue generation and
-abort pass their routes' request structs (as FastAPI validates them) with no key SGLang
+``generate_contract_error``; update_weights_from_disk, the weight broadcast routes
+(init / update from distributed / destroy), pause / continue generation and abort pass
+their routes' request structs (as FastAPI validates them) with no key SGLang
 would silently drop; our sampling names and the CPU engine's unknown-key message are
 SGLang's; the GPU image runs exactly that release. An SGLang upgrade or a client change
 that breaks the contract fails here.
@@ -29,7 +30,10 @@ from services.rollout.episode import EpisodeConfig
 from tests.contract.sglang_wheel import ROOT, Contract, load_contract
 
 ADMIN_ROUTES = ("/update_weights_from_disk", "/pause_generation", "/continue_generation",
-                "/abort_request", "/flush_cache")  # fmt: skip
+                "/abort_request", "/flush_cache", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/destroy_weights_update_group")  # fmt: skip
+WEIGHT_ROUTES = ("/update_weights_from_disk", "/init_weights_update_group",
+                 "/update_weights_from_distributed", "/destroy_weights_update_group")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def answer(request: httpx.Request, sent: list[tuple[str, Any]]) -> httpx.Respons
         if body.get("rid") == "flaky":
             return httpx.Response(503, json={"error": {"message": "busy"}})
         return httpx.Response(200, json=generated(body.get("rid") or "x"))
-    if path == "/update_weights_from_disk":
+    if path in WEIGHT_ROUTES:
         return httpx.Response(200, json={"success": True, "message": "ok"})
     if path in ("/pause_generation", "/continue_generation"):
         return httpx.Response(200, json={"message": "ok", "status": "ok"})
@@ -96,6 +100,12 @@ async def make_every_call(sent: list[tuple[str, Any]]) -> None:
         await client.abort_request("traj-0")
         await client.abort_request(abort_all=True)
         await client.flush_cache()
+        for backend in ("gloo", "nccl"):
+            await client.init_weights_update_group("learner", 29500, 1, 3, backend=backend)
+        names, dtypes, shapes = ["a.weight", "b.bias"], ["bfloat16", "float32"], [[2, 3], [3]]
+        await client.update_weights_from_distributed(names, dtypes, shapes)
+        await client.update_weights_from_distributed(names, dtypes, shapes, "7", load_format=None)
+        await client.destroy_weights_update_group()
 
 
 def test_the_wheel_is_the_pinned_release(contract: Contract) -> None:

@@ -2,8 +2,9 @@
 
 Public: /generate, /model_info (+ /get_model_info), /server_info (+ /get_server_info),
 /health (the scheduler thread is alive), /health_generate, /ready (503 while paused),
-/metrics. Admin (bearer token): /update_weights_from_disk, /flush_cache,
-/pause_generation, /continue_generation, /abort_request.
+/metrics. Admin (bearer token): /update_weights_from_disk, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group (weights broadcast over
+gloo), /flush_cache, /pause_generation, /continue_generation, /abort_request.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from mempo.api.engine import (
     AbortRequest,
     ContinueRequest,
     ControlResponse,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     PauseRequest,
     ServerInfo,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightsResponse,
 )
 from mempo.disconnects import client_gone
@@ -43,6 +47,11 @@ def get_engine(request: Request) -> Engine:
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
+
+
+def _answer(result: UpdateWeightsResponse) -> Response:
+    """SGLang's weight routes: 200 on success, 400 with the message otherwise."""
+    return JSONResponse(result.model_dump(), 200 if result.success else 400)
 
 
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
@@ -107,8 +116,32 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         req: UpdateWeightsFromDiskRequest, engine: EngineDep, _: AdminDep
     ) -> Response:
         """Load HF safetensors from model_path (inside the weights root) between batches."""
-        result = await engine.update_weights_from_disk(req)
-        return JSONResponse(result.model_dump(), 200 if result.success else 400)
+        return _answer(await engine.update_weights_from_disk(req))
+
+    @app.post("/init_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"])
+    async def init_weights_update_group(
+        req: InitWeightsUpdateGroupRequest, engine: EngineDep, _: AdminDep
+    ) -> Response:
+        """Join the learner's weight-update group (gloo here); answers once all have joined."""
+        return _answer(await engine.init_weights_update_group(req))
+
+    @app.post(
+        "/update_weights_from_distributed", response_model=UpdateWeightsResponse, tags=["admin"]
+    )
+    async def update_weights_from_distributed(
+        req: UpdateWeightsFromDistributedRequest, engine: EngineDep, _: AdminDep
+    ) -> Response:
+        """Receive the bucket the learner broadcasts now (``load_format: flattened_bucket``:
+        one tensor of bytes) and load it between batches."""
+        return _answer(await engine.update_weights_from_distributed(req))
+
+    @app.post(
+        "/destroy_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"]
+    )
+    async def destroy_weights_update_group(
+        engine: EngineDep, _: AdminDep, req: DestroyWeightsUpdateGroupRequest | None = None
+    ) -> Response:
+        return _answer(await engine.destroy_weights_update_group(req or DestroyWeightsUpdateGroupRequest()))
 
     @app.post("/flush_cache", response_class=PlainTextResponse, tags=["admin"])
     @app.get("/flush_cache", response_class=PlainTextResponse, include_in_schema=False)

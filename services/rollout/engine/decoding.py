@@ -70,7 +70,9 @@ class Decoder:
         if self.observer is not None:
             self.observer.on_finish(seq)
 
-    def load_weights(self, state: dict[str, torch.Tensor], path: Path, version: str | None) -> None:
+    def load_weights(
+        self, state: dict[str, torch.Tensor], path: Path | None, version: str | None
+    ) -> None:
         """Swap the model's weights (only while no row runs, or paused)."""
         self.runner.apply_weights(state, path)
         if version is not None:

@@ -20,15 +20,19 @@ from prometheus_client import Gauge
 
 import mempo
 from mempo.api.engine import (
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     ServerInfo,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightsResponse,
 )
 from mempo.service import Forbidden, Metrics, NotReady, inside_root, require_weights_root
 from mempo.settings import quiet_hub
+from mempo.weight_sync import FLATTENED, join_group
 from services.rollout.engine.model import ModelRunner, WeightsError, WeightsRootError
 from services.rollout.engine.protocol import Limits, expand, response
 from services.rollout.engine.runtime import EngineRuntime, EngineStopped
@@ -98,6 +102,8 @@ class Engine:
         self.runtime = runtime
         self.limits = limits
         self.tokenizer_path = str(Path(settings.tokenizer_path or runner.model_path).resolve())
+        self.weight_groups: dict[str, Any] = {}  # group name -> the learner's process group
+        self._receiving = asyncio.Lock()  # one broadcast bucket at a time
 
     @classmethod
     def load(cls, settings: EngineSettings, metrics: Metrics) -> Engine:
@@ -211,6 +217,73 @@ class Engine:
         log.info("weights %s from %s (aborted %d requests)", req.weight_version, path, aborted)
         return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
 
+    async def init_weights_update_group(
+        self, req: InitWeightsUpdateGroupRequest
+    ) -> UpdateWeightsResponse:
+        """Join the learner's weight-update group (blocks until every rank has joined)."""
+        if req.group_name in self.weight_groups:
+            return _failed(f"Failed to initialize custom process group: {req.group_name} exists.")
+        if req.rank_offset >= req.world_size:
+            return _failed(
+                f"Failed to initialize custom process group: rank {req.rank_offset} is "
+                f"outside a world of {req.world_size}."
+            )
+        try:
+            group = await asyncio.to_thread(
+                join_group, req.master_address, req.master_port, req.rank_offset,
+                req.world_size, req.group_name, req.backend, self.settings.weight_sync_timeout_s,
+            )  # fmt: skip
+        except (ValueError, RuntimeError, OSError) as exc:  # torch's DistError is a RuntimeError
+            log.warning("joining weight-update group %s failed: %s", req.group_name, exc)
+            return _failed(f"Failed to initialize custom process group: {exc}.")
+        self.weight_groups[req.group_name] = group
+        log.info(
+            "joined weight-update group %s at %s:%d as rank %d of %d (%s)", req.group_name,
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
+        )  # fmt: skip
+        return UpdateWeightsResponse(success=True, message="Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(
+        self, req: UpdateWeightsFromDistributedRequest
+    ) -> UpdateWeightsResponse:
+        """Receive one bucket the learner broadcasts and load it between steps (SGLang: the
+        update waits for running requests unless paused or ``abort_all_requests``)."""
+        group = self.weight_groups.get(req.group_name)
+        if group is None:
+            return _failed(
+                f"Group {req.group_name} not in {sorted(self.weight_groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+        try:  # checked before receiving: nothing unknown is allocated
+            dtypes = self.runner.bucket_dtypes(req.names, req.dtypes, req.shapes)
+        except WeightsError as exc:
+            return _failed(f"Failed to update weights: {exc}")
+        flattened = req.load_format == FLATTENED
+        async with self._receiving:
+            try:
+                state = await asyncio.to_thread(
+                    self.runner.receive_bucket, group, req.names, dtypes, req.shapes, flattened
+                )
+                future = self.runtime.update_weights(
+                    state, None, req.weight_version, req.abort_all_requests
+                )
+                await asyncio.wrap_future(future)
+            except (WeightsError, EngineStopped, RuntimeError) as exc:
+                log.warning("broadcast weight update refused: %s", exc)
+                return _failed(f"Failed to update weights: {exc}")
+        log.info(
+            "received %d tensors by broadcast (weight version %s)", len(state),
+            self.runtime.weight_version,
+        )  # fmt: skip
+        return UpdateWeightsResponse(success=True, message="Succeeded to update model weights.")
+
+    async def destroy_weights_update_group(
+        self, req: DestroyWeightsUpdateGroupRequest
+    ) -> UpdateWeightsResponse:
+        if self.weight_groups.pop(req.group_name, None) is None:
+            return _failed("The group to be destroyed does not exist.")
+        return UpdateWeightsResponse(success=True, message="Succeeded to destroy custom process group.")
+
     async def pause(self, mode: str) -> None:
         await asyncio.wrap_future(self.runtime.pause(mode))
 
@@ -251,3 +324,7 @@ class Engine:
                 "paused": self.runtime.paused,
             }
         )
+
+
+def _failed(message: str) -> UpdateWeightsResponse:
+    return UpdateWeightsResponse(success=False, message=message)

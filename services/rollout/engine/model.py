@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from mempo.weights import WeightsOutsideRoot, assign_weights, check_weights, map_safetensors
+from mempo.weight_sync import broadcast, empty_bucket, parse_dtype, unflatten
+from mempo.weights import (
+    WeightsOutsideRoot,
+    assign_weights,
+    check_finite,
+    check_weights,
+    map_safetensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +113,72 @@ class ModelRunner:
             raise WeightsError(f"cannot load {path}: {exc}") from exc
         return {name: tensor.to(expected[name].dtype) for name, tensor in state.items()}
 
-    def apply_weights(self, state: dict[str, torch.Tensor], path: Path) -> None:
-        """Put checked weights in the model (scheduler thread, between steps).
+    def bucket_dtypes(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> list[torch.dtype]:
+        """Check a broadcast bucket's description against this model before receiving it
+        (known names, once each, the model's shapes, floating dtypes); its dtypes."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise WeightsError(
+                f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
+                f"{len(shapes)})"
+            )
+        if len(set(names)) != len(names):
+            raise WeightsError("a tensor is named twice in one bucket")
+        expected = self.model.state_dict()
+        parsed = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if name not in expected:
+                raise WeightsError(f"unexpected tensor {name[:200]!r}")
+            if list(expected[name].shape) != list(shape):
+                raise WeightsError(
+                    f"{name}: shape {shape[:8]}, the model has {list(expected[name].shape)}"
+                )
+            try:
+                parsed.append(parse_dtype(dtype))
+            except ValueError as exc:
+                raise WeightsError(str(exc)[:200]) from exc
+            if not parsed[-1].is_floating_point:
+                raise WeightsError(f"{name}: dtype {dtype} is not a floating dtype")
+        return parsed
 
-        The tensors are assigned, not copied (they view the mapped files); tied weights
-        (lm_head = embeddings) are tied again to whichever of them the files hold."""
+    def receive_bucket(
+        self,
+        group: Any,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[list[int]],
+        flattened: bool,
+    ) -> dict[str, torch.Tensor]:
+        """Receive one broadcast bucket (described by ``bucket_dtypes``' checks) and check
+        its values; the tensors in the model's dtypes."""
+        if flattened:  # one collective for the bucket
+            buffer = empty_bucket(dtypes, shapes)
+            broadcast(group, buffer)
+            try:
+                tensors = unflatten(buffer, names, dtypes, shapes)
+            except ValueError as exc:
+                raise WeightsError(str(exc)) from exc
+        else:  # one collective per tensor, in order
+            tensors = {}
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                broadcast(group, tensors[name])
+        try:
+            check_finite(tensors, "the broadcast bucket")
+        except ValueError as exc:
+            raise WeightsError(str(exc)) from exc
+        expected = self.model.state_dict()
+        return {name: tensor.to(expected[name].dtype) for name, tensor in tensors.items()}
+
+    def apply_weights(self, state: dict[str, torch.Tensor], path: Path | None) -> None:
+        """Put checked weights in the model (scheduler thread, between steps); ``path``:
+        the folder they came from (None: a broadcast bucket, maybe a part of the model).
+
+        The tensors are assigned, not copied (they view the mapped files or the received
+        bucket); tied weights (lm_head = embeddings) are tied again to whichever of them
+        ``state`` holds."""
         assign_weights(self.model, state)
-        self.model_path = path
-        log.info("loaded weights from %s", path)
+        if path is not None:
+            self.model_path = path
+        log.info("loaded %d tensors from %s", len(state), path or "a broadcast")

@@ -55,7 +55,7 @@ class DuplicateRequestId(ServiceError):
 @dataclass
 class PendingUpdate:
     state: dict[str, torch.Tensor]
-    path: Path
+    path: Path | None  # None: a broadcast bucket
     version: str | None
     aborted: int  # requests aborted to make way for it
     future: Future[int]
@@ -153,7 +153,7 @@ class EngineRuntime:
             self._cv.notify()
 
     def update_weights(
-        self, state: dict[str, torch.Tensor], path: Path, version: str | None, abort_all: bool
+        self, state: dict[str, torch.Tensor], path: Path | None, version: str | None, abort_all: bool
     ) -> Future[int]:
         """Swap weights once no request runs on the old ones; resolves to the aborted count."""
         future: Future[int] = Future()

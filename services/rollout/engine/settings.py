@@ -56,6 +56,9 @@ class EngineSettings(ServiceSettings):
     drain_timeout_s: float = Field(default=10.0, ge=0.0)
     """On shutdown, in-flight requests get this long to finish before they are aborted."""
 
+    weight_sync_timeout_s: float = Field(default=60.0, gt=0.0)
+    """Joining the learner's weight-update group, and each broadcast in it, fail after this."""
+
     health_timeout_s: float = Field(default=20.0, gt=0.0)
     """/health_generate fails (503) when a 1-token generation takes longer than this."""
 
