@@ -213,6 +213,18 @@ def tied_parameter_names(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False)) - unique
 
 
+def export_tensors(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None, tied: frozenset[str]
+) -> dict[str, torch.Tensor]:
+    """The tensors an export holds: in ``dtype`` (None: as they are), contiguous, without
+    the ``tied`` names (HF re-ties them on load; safetensors refuses shared storage)."""
+    return {
+        name: (t.to(dtype) if dtype is not None else t).contiguous()
+        for name, t in state.items()
+        if name not in tied
+    }
+
+
 def export_hf(
     state: dict[str, torch.Tensor],
     config: Any,
@@ -231,11 +243,7 @@ def export_hf(
     for item in base_dir.iterdir():  # tokenizer, generation config, ...
         if item.is_file() and not _WEIGHT_FILES.fullmatch(item.name) and item.name != "config.json":
             shutil.copy2(item, out_dir / item.name)
-    tensors = {
-        name: (t.to(dtype) if dtype is not None else t).contiguous()
-        for name, t in state.items()
-        if name not in tied
-    }
+    tensors = export_tensors(state, dtype, tied)
     write_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     dtype_name = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from mempo.queue import RedisQueue
 from mempo.schemas import Group
 from mempo.weights import NonFiniteWeights
@@ -49,6 +51,8 @@ class PolicyTrainer(Protocol):
     ) -> Path: ...
 
     def export_hf(self, out_dir: Path) -> Path: ...
+
+    def export_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
 class LearnerLoop:
@@ -121,6 +125,13 @@ class LearnerLoop:
             keep_versions=settings.keep_versions,
             role_tokens=settings.role_tokens(),
             protected=settings.model_path,  # the base model may live in the weights root (v0)
+            broadcast=settings.weight_sync == "broadcast",
+            broadcast_options={
+                "master_address": settings.weight_sync_address,
+                "port": settings.weight_sync_port,
+                "backend": settings.weight_sync_backend,
+                "bucket_bytes": int(settings.weight_sync_bucket_mb * 1024 * 1024),
+            },
         )
         loop = cls(settings, queue, trainer, consumer, admission, publisher, metrics)
         if resumed:

@@ -7,7 +7,9 @@
    half a version.
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
-3. Every live registration gets ``POST /update_weights_from_disk`` in parallel, with a
+0. With ``weight_sync = broadcast``, first the rollout engines get the tensors over a
+   torch.distributed group (services/learner/broadcast.py); those that did are done.
+3. Every other live registration gets ``POST /update_weights_from_disk`` in parallel, with a
    timeout and the admin token of its role: a rollout replica at its worker's URL (the
    worker forwards to its engine, which is not reachable from outside the replica), the
    scorer at its own. One that fails is reported stale and catches up from the pointer;
@@ -27,15 +29,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
+import torch
 
 from mempo.clients.engine import EngineClient, EngineError
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
 from mempo.tiny import make_world_readable
-from mempo.weights import check_finite, map_safetensors
+from mempo.weights import check_finite, map_safetensors, non_finite
+from services.learner.broadcast import WeightBroadcaster
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,12 @@ _TEMP_PREFIX = ".tmp-v"
 
 
 class WeightExporter(Protocol):
-    """The trainer side of a publish: write HF-format weights into ``out_dir``."""
+    """The trainer side of a publish: write HF-format weights into ``out_dir``; the same
+    tensors in memory (for a broadcast)."""
 
     def export_hf(self, out_dir: Path) -> Path: ...
+
+    def export_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,16 @@ class PublishReport:
     """Engine URL -> why its update failed; it catches up from the policy pointer."""
     removed: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    """Engine URL -> how long its update call took."""
+    """Engine URL -> how long its update took (a broadcast: the whole push)."""
+    paths: dict[str, str] = field(default_factory=dict)
+    """Engine URL -> how it got the version: broadcast or disk (tried last)."""
+    broadcast_s: float = 0.0
     export_s: float = 0.0
     notify_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.export_s + self.notify_s
+        return self.broadcast_s + self.export_s + self.notify_s
 
 
 class WeightPublisher:
@@ -81,6 +91,8 @@ class WeightPublisher:
         max_parallel: int = 64,
         role_tokens: Mapping[str, str | None] | None = None,
         protected: Path | str | None = None,
+        broadcast: bool = False,
+        broadcast_options: Mapping[str, Any] | None = None,
     ) -> None:
         """``role_tokens``: the admin token per registry role ("rollout": the workers',
         "scorer": the scorer's); a role not in it gets ``admin_token``. ``protected``: a
@@ -97,21 +109,34 @@ class WeightPublisher:
         self.protected = Path(protected).resolve() if protected else None
         self._parallel = asyncio.Semaphore(max_parallel)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.broadcaster: WeightBroadcaster | None = None
+        if broadcast:
+            self.broadcaster = WeightBroadcaster(
+                self.http, lambda _: self.token_for("rollout"), timeout_s=min(timeout_s, 120.0),
+                **(broadcast_options or {}),
+            )
 
     async def aclose(self) -> None:
+        if self.broadcaster is not None:
+            await self.broadcaster.close()
         await self.http.aclose()
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version}"
 
     async def publish(self, exporter: WeightExporter, version: int) -> PublishReport:
-        """Export, point ``mempo:policy`` at it, update every engine, clean up."""
+        """(Broadcast to the rollout engines,) export, point ``mempo:policy`` at it,
+        update every engine not at the version yet from disk, clean up."""
         started = time.perf_counter()
+        engines = await self.queue.list_engines()
+        sent, seconds = await self.broadcast(exporter, version, engines)
+        broadcast = time.perf_counter()
         path = await asyncio.to_thread(self.write_version, exporter, version)
         exported = time.perf_counter()
         await self.queue.set_policy(version, str(path))
-        engines = await self.queue.list_engines()
-        errors, seconds = await self.notify(engines, path, version)
+        engines = await self.queue.list_engines()  # and those that registered meanwhile
+        rest = [e for e in engines if _base(e.url) not in sent]
+        errors, disk_seconds = await self.notify(rest, path, version)
         notified = time.perf_counter()
         in_use = {parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors}
         removed = await asyncio.to_thread(self.remove_unused, version, in_use)
@@ -121,8 +146,10 @@ class WeightPublisher:
             updated=sorted({_base(e.url) for e in engines} - set(errors)),
             stale=errors,
             removed=removed,
-            seconds=seconds,
-            export_s=exported - started,
+            seconds={**seconds, **disk_seconds},
+            paths={**{_base(e.url): "disk" for e in rest}, **dict.fromkeys(sent, "broadcast")},
+            broadcast_s=broadcast - started,
+            export_s=exported - broadcast,
             notify_s=notified - exported,
         )
         if errors:
@@ -133,6 +160,26 @@ class WeightPublisher:
             "published v%d to %d engines in %.2fs", version, len(report.updated), report.total_s
         )
         return report
+
+    async def broadcast(
+        self, exporter: WeightExporter, version: int, engines: list[EngineInfo]
+    ) -> tuple[set[str], dict[str, float]]:
+        """Broadcast the version to the rollout engines (with a broadcaster): the URLs
+        that hold it now, and the push's seconds for each engine tried. Checked finite
+        first: a NaN or inf is never sent (the export then fails the publish too)."""
+        urls = sorted({_base(e.url) for e in engines if e.role == "rollout"})
+        if self.broadcaster is None or not urls:
+            return set(), {}
+        tensors = await asyncio.to_thread(exporter.export_tensors)
+        if non_finite(tensors) is not None:
+            return set(), {}
+        started = time.perf_counter()
+        errors = await self.broadcaster.push(tensors, version, urls)
+        took = time.perf_counter() - started
+        for url, error in errors.items():
+            if error:
+                log.warning("broadcast of v%d to %s failed (it loads from disk): %s", version, url, error)
+        return {u for u, e in errors.items() if e is None}, dict.fromkeys(errors, took)
 
     def write_version(self, exporter: WeightExporter, version: int) -> Path:
         """``v{version}/`` written atomically (temp dir + rename) and world-readable."""

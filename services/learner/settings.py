@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -88,6 +88,24 @@ class LearnerSettings(ServiceSettings):
 
     publish_timeout_s: float = Field(default=300.0, gt=0)
     """Timeout of one engine's weight update."""
+
+    weight_sync: Literal["disk", "broadcast"] = "disk"
+    """How the rollout engines get each version. disk: every engine loads the published
+    folder. broadcast: the learner sends the tensors over a torch.distributed group
+    (gloo on CPU, NCCL on GPU; services/learner/broadcast.py) and the engines that miss it
+    load the folder; the folder is published either way (late joiners, the scorer)."""
+
+    weight_sync_address: str = "127.0.0.1"
+    """broadcast: the address the engines reach this learner at (its weight group's store)."""
+
+    weight_sync_port: int = Field(default=0, ge=0, le=65535)
+    """broadcast: the port of the weight group's store. 0: a free one for each group."""
+
+    weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
+    """broadcast: the torch.distributed backend (nccl between GPUs)."""
+
+    weight_sync_bucket_mb: float = Field(default=256.0, gt=0)
+    """broadcast: MiB of tensors per bucket (one collective each)."""
 
     keep_versions: int = Field(default=2, ge=1)
     """Published versions kept on disk (older ones are deleted unless an engine still serves them)."""

@@ -344,12 +344,24 @@ class Trainer:
     def _export(self, out_dir: Path) -> Path:
         state = full_model_state(self.policy, self.dist)
         if self.dist.is_main:
-            dtype = getattr(torch, self.config.export_dtype) if self.config.export_dtype else None
             tied = checkpoint.tied_parameter_names(self.policy)
-            checkpoint.export_hf(state, self.policy.config, self.model_path, out_dir, dtype, tied)
+            checkpoint.export_hf(state, self.policy.config, self.model_path, out_dir, self._export_dtype, tied)
         if self.dist.sharded:
             torch.distributed.barrier()
         return out_dir
+
+    @property
+    def _export_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.config.export_dtype) if self.config.export_dtype else None
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors ``export_hf`` writes, in memory (a weight broadcast sends them).
+        Unsharded trainers only: a sharded one exports through ``export_hf``."""
+        if self.dist.sharded:
+            raise RuntimeError("a sharded trainer publishes through export_hf (disk) only")
+        state = full_model_state(self.policy, self.dist)
+        tied = checkpoint.tied_parameter_names(self.policy)
+        return checkpoint.export_tensors(state, self._export_dtype, tied)
 
     # ----------------------------------------------------------------- ranks
 

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import httpx
 from fastapi import Depends, FastAPI, Request
 
 from mempo.agent_format import Tokenizer
-from mempo.api.engine import UpdateWeightsFromDiskRequest, UpdateWeightsResponse
+from mempo.api.engine import (
+    ContinueRequest,
+    ControlResponse,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsResponse,
+)
 from mempo.api.rollout import EpisodesRequest, WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.clients.retrieval import RetrievalError
@@ -54,6 +63,23 @@ class EngineAnswer(ServiceError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+T = TypeVar("T")
+
+
+async def _to_engine(call: Awaitable[T]) -> T:
+    """A call forwarded to this replica's engine: the engine's 4xx passed on, a refused
+    engine key or an engine that cannot be reached is 502."""
+    try:
+        return await call
+    except EngineError as exc:
+        code = exc.status_code or 502
+        refused_key = code == 401 or (code == 403 and "token" in str(exc).lower())
+        status = 502 if code >= 500 or refused_key else code
+        raise EngineAnswer(f"the engine: {exc}", status) from exc
+    except httpx.HTTPError as exc:
+        raise Upstream(f"the engine: {type(exc).__name__}: {exc}") from exc
 
 
 def get_worker(request: Request) -> RolloutWorker:
@@ -132,17 +158,53 @@ def create_app(
         answer is passed on; an engine that cannot be reached is 502."""
         if body.weight_version is None:
             raise BadInput("weight_version: required (the worker tracks its engine's version)")
-        try:
-            return await worker.update_engine(
-                body.model_path, body.weight_version, body.abort_all_requests
-            )
-        except EngineError as exc:
-            code = exc.status_code or 502
-            refused_key = code == 401 or (code == 403 and "token" in str(exc).lower())
-            status = 502 if code >= 500 or refused_key else code
-            raise EngineAnswer(f"the engine: {exc}", status) from exc
-        except httpx.HTTPError as exc:
-            raise Upstream(f"the engine: {type(exc).__name__}: {exc}") from exc
+        return await _to_engine(
+            worker.update_engine(body.model_path, body.weight_version, body.abort_all_requests)
+        )
+
+    # The learner's weight broadcast (services/learner/broadcast.py), forwarded likewise:
+    # the engine joins the learner's group itself, its tensors never pass through here.
+    @app.post("/pause_generation", response_model=ControlResponse, tags=["admin"])
+    async def pause_generation(
+        worker: WorkerDep, _: AdminDep, body: PauseRequest | None = None
+    ) -> ControlResponse:
+        """Pause this replica's engine (around a weight broadcast)."""
+        mode = (body or PauseRequest()).mode
+        await _to_engine(worker.upstreams.engine.pause_generation(mode))
+        return ControlResponse(message="Generation paused successfully.")
+
+    @app.post("/continue_generation", response_model=ControlResponse, tags=["admin"])
+    async def continue_generation(
+        worker: WorkerDep, _: AdminDep, body: ContinueRequest | None = None
+    ) -> ControlResponse:
+        await _to_engine(worker.upstreams.engine.continue_generation())
+        return ControlResponse(message="Generation continued successfully.")
+
+    @app.post("/init_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"])
+    async def init_weights_update_group(
+        body: InitWeightsUpdateGroupRequest, worker: WorkerDep, _: AdminDep
+    ) -> UpdateWeightsResponse:
+        """Have this replica's engine join the learner's weight group."""
+        engine = worker.upstreams.engine
+        return await _to_engine(engine.init_weights_update_group(**body.model_dump()))
+
+    @app.post(
+        "/update_weights_from_distributed", response_model=UpdateWeightsResponse, tags=["admin"]
+    )
+    async def update_weights_from_distributed(
+        body: UpdateWeightsFromDistributedRequest, worker: WorkerDep, _: AdminDep
+    ) -> UpdateWeightsResponse:
+        """The next bucket of a weight broadcast; its version is this replica's once loaded."""
+        return await _to_engine(worker.receive_bucket(body))
+
+    @app.post(
+        "/destroy_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"]
+    )
+    async def destroy_weights_update_group(
+        worker: WorkerDep, _: AdminDep, body: DestroyWeightsUpdateGroupRequest | None = None
+    ) -> UpdateWeightsResponse:
+        name = (body or DestroyWeightsUpdateGroupRequest()).group_name
+        return await _to_engine(worker.upstreams.engine.destroy_weights_update_group(name))
 
     @app.post(
         "/v1/episodes",

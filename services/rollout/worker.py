@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.agent_format import Tokenizer
-from mempo.api.engine import UpdateWeightsResponse
+from mempo.api.engine import UpdateWeightsFromDistributedRequest, UpdateWeightsResponse
 from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
@@ -296,6 +296,20 @@ class RolloutWorker:
             "engine update to weights %s: %s (%d episodes in flight)",
             weight_version, "done" if reply.success else reply.message, in_flight,
         )
+        return reply
+
+    async def receive_bucket(
+        self, body: UpdateWeightsFromDistributedRequest
+    ) -> UpdateWeightsResponse:
+        """One bucket of the learner's weight broadcast, forwarded to this replica's engine;
+        the bucket that carries a version makes it the engine's."""
+        reply = await self.upstreams.engine.update_weights_from_distributed(
+            body.names, body.dtypes, body.shapes, body.weight_version, body.group_name,
+            body.load_format,
+        )  # fmt: skip
+        if reply.success and body.weight_version is not None and self.groups is not None:
+            self.groups.episodes.engine_version = body.weight_version
+            log.info("engine at weights %s (broadcast)", body.weight_version)
         return reply
 
     def registry_entry(self) -> EngineInfo:

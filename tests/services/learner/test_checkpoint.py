@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mempo.weights import NonFiniteWeights
 from services.learner import checkpoint
@@ -160,6 +161,9 @@ def test_export_hf_loads_as_the_same_policy(tiny_model_dir: Path, tmp_path: Path
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
     assert "lm_head.weight" not in keys  # tied to the embeddings, re-tied on load
+    in_memory = trainer.export_tensors()  # what a weight broadcast sends: the same tensors
+    on_disk = load_file(str(out / "model.safetensors"))
+    assert set(in_memory) == keys and all(torch.equal(in_memory[k], on_disk[k]) for k in keys)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -1,0 +1,214 @@
+"""The weight broadcast: the learner pushes its tensors to the rollout engines over a
+torch.distributed group (gloo on CPU, NCCL on GPU), SGLang's protocol (mempo/weight_sync.py).
+
+One push:
+
+1. every engine is paused (``retract``: running requests go back to the queue);
+2. if the set of engines changed since the last push (or that push failed), a new group
+   is made: the learner is rank 0 and holds its store at ``master_address:port``; engine
+   i (in URL order) joins at rank i + 1 (``/init_weights_update_group``, all at once);
+3. bucket by bucket (``bucket_bytes`` each, flattened: one collective per bucket), every
+   engine is told the bucket's names, dtypes and shapes (``/update_weights_from_distributed``,
+   the weight version on the last bucket) while the learner broadcasts its bytes;
+4. every engine is resumed (``/continue_generation``), whatever happened; never while a
+   bucket is in flight.
+
+An engine that fails any of it is reported with its error and the group is dropped (the
+next push makes a new one); the publisher then brings the engines not at the new version
+to it from disk (services/learner/publish.py), so a failure in the middle of a push leaves
+every engine on a whole version, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from mempo.clients.engine import EngineClient, EngineError
+from mempo.procs import free_port
+from mempo.weight_sync import FLATTENED, Group, broadcast, buckets, dtype_name, flatten, join_group
+
+log = logging.getLogger(__name__)
+
+ENGINE_ERRORS = (EngineError, httpx.HTTPError, TimeoutError, ValueError)
+
+
+@dataclass
+class _Membership:
+    urls: tuple[str, ...]
+    name: str
+    group: Group
+
+
+class WeightBroadcaster:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        token_for: Callable[[str], str | None],
+        master_address: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "gloo",
+        bucket_bytes: int = 256 * 1024 * 1024,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """``token_for(url)``: the admin token of the engine (its worker) at ``url``;
+        ``master_address``: where the engines reach this learner; ``port`` 0: a free one
+        for each group."""
+        self.http = http
+        self.token_for = token_for
+        self.master_address = master_address
+        self.port = port
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self._members: _Membership | None = None
+        self._generation = itertools.count(1)
+
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], version: int, urls: list[str]
+    ) -> dict[str, str | None]:
+        """Broadcast ``tensors`` as weight version ``version`` to the engines at ``urls``:
+        URL -> None when it holds the version, else why not."""
+        urls = sorted(set(urls))
+        if not urls:
+            return {}
+        clients = {u: EngineClient(u, admin_token=self.token_for(u), client=self.http) for u in urls}
+        errors: dict[str, str | None] = dict.fromkeys(urls)
+        await self._each(clients, errors, lambda c: c.pause_generation("retract"))
+        paused = {u: c for u, c in clients.items() if errors[u] is None}
+        loaded: set[str] = set()
+        try:
+            if paused:  # one that could not be paused is left out (the disk path brings it)
+                loaded = await self._send(paused, errors, tensors, version)
+        finally:
+            await self._each(clients, {u: None for u in urls}, lambda c: c.continue_generation())
+        for url in paused:
+            if url not in loaded:
+                errors[url] = errors[url] or "the broadcast stopped before its last bucket"
+        if loaded != set(paused):
+            await self.close()  # the group's state is unknown: the next push makes a new one
+        return errors
+
+    async def _send(
+        self,
+        clients: dict[str, EngineClient],
+        errors: dict[str, str | None],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+    ) -> set[str]:
+        """The engines that loaded every bucket; the others' errors in ``errors``."""
+        urls = tuple(clients)
+        if self._members is None or self._members.urls != urls:
+            await self.close()
+            self._members = await self._join(clients, errors)
+            if self._members is None:
+                return set()
+        members = self._members
+        parts = buckets(sorted(tensors.items()), self.bucket_bytes)
+        for i, part in enumerate(parts):
+            names = [name for name, _ in part]
+            dtypes = [dtype_name(t.dtype) for _, t in part]
+            shapes = [list(t.shape) for _, t in part]
+            last = str(version) if i == len(parts) - 1 else None
+            calls = {
+                u: asyncio.create_task(c.update_weights_from_distributed(
+                    names, dtypes, shapes, last, members.name, FLATTENED))
+                for u, c in clients.items()
+            }  # fmt: skip
+            sent = await asyncio.to_thread(_broadcast_or_error, members.group, flatten(part))
+            for url, call in calls.items():
+                try:
+                    reply = await asyncio.wait_for(call, self.timeout_s)
+                    if not reply.success:
+                        errors[url] = f"bucket {i + 1}/{len(parts)}: {reply.message}"
+                except ENGINE_ERRORS as exc:
+                    errors[url] = f"bucket {i + 1}/{len(parts)}: {type(exc).__name__}: {exc}"
+            if sent is not None:
+                for url in urls:
+                    errors[url] = errors[url] or f"bucket {i + 1}/{len(parts)}: broadcast: {sent}"
+            if any(errors[u] for u in urls):
+                return set()
+        return set(urls)
+
+    async def _join(
+        self, clients: dict[str, EngineClient], errors: dict[str, str | None]
+    ) -> _Membership | None:
+        """A new group of this learner (rank 0) and the engines, in URL order."""
+        urls = tuple(clients)
+        name = f"mempo-weights-{next(self._generation)}"
+        port = self.port or free_port()
+        world = len(urls) + 1
+        started = time.perf_counter()
+        asks = [
+            asyncio.create_task(c.init_weights_update_group(
+                self.master_address, port, rank, world, name, self.backend))
+            for rank, c in enumerate(clients.values(), start=1)
+        ]  # fmt: skip
+        try:
+            group = await asyncio.to_thread(
+                join_group, self.master_address, port, 0, world, name, self.backend, self.timeout_s
+            )
+        except (RuntimeError, ValueError, OSError) as exc:
+            group = None
+            reason = f"joining the weight group: {exc}"
+        for url, ask in zip(urls, asks, strict=True):
+            try:
+                reply = await asyncio.wait_for(ask, self.timeout_s)
+                if not reply.success:
+                    errors[url] = reply.message
+            except ENGINE_ERRORS as exc:
+                errors[url] = f"{type(exc).__name__}: {exc}"
+            if group is None:
+                errors[url] = errors[url] or reason
+        if group is None or any(errors[u] for u in urls):
+            self._members = _Membership(urls, name, group)
+            await self.close()  # those that joined leave
+            return None
+        log.info(
+            "weight group %s: %d engines joined in %.2fs (%s, port %d)",
+            name, len(urls), time.perf_counter() - started, self.backend, port,
+        )  # fmt: skip
+        return _Membership(urls, name, group)
+
+    async def _each(
+        self,
+        clients: dict[str, EngineClient],
+        errors: dict[str, str | None],
+        call: Callable[[EngineClient], object],
+    ) -> None:
+        """``call`` on every engine without an error yet, in parallel; failures recorded."""
+        live = [u for u in clients if errors[u] is None]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(call(clients[u]), self.timeout_s) for u in live),  # type: ignore[arg-type]
+            return_exceptions=True,
+        )
+        for url, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                errors[url] = f"{type(result).__name__}: {result}"
+
+    async def close(self) -> None:
+        """Leave the current group (the engines are told; one that cannot be is left)."""
+        members, self._members = self._members, None
+        if members is None:
+            return
+        for url in members.urls:
+            client = EngineClient(url, admin_token=self.token_for(url), client=self.http)
+            try:
+                await asyncio.wait_for(client.destroy_weights_update_group(members.name), 10)
+            except (*ENGINE_ERRORS, asyncio.TimeoutError) as exc:
+                log.info("%s: leaving weight group %s: %s", url, members.name, exc)
+
+
+def _broadcast_or_error(group: Group, tensor: torch.Tensor) -> str | None:
+    try:
+        broadcast(group, tensor)
+    except RuntimeError as exc:  # a peer gone: gloo's connection errors, its timeout
+        return str(exc)[:300]
+    return None

@@ -1,0 +1,92 @@
+"""Publishing by broadcast (``weight_sync = broadcast``): two real CPU engines get the
+tensors over gloo, paused around it; the scorer and an engine that cannot take a
+broadcast get the same version from disk; every engine ends on one whole version."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mempo.keys import Keys
+from mempo.queue import EngineInfo, RedisQueue
+from mempo.weights import write_safetensors
+from services.learner.publish import WeightPublisher
+from services.rollout.engine.inprocess import EngineThread
+from tests.services.learner.service_support import StandInEngine, serving
+from tests.services.rollout.test_engine_support import ADMIN, engine_settings, generate
+
+PROMPT = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+
+
+class TensorExporter:
+    """The tiny model plus noise of one seed, in memory and as an HF folder."""
+
+    def __init__(self, base: Path, seed: int) -> None:
+        self.base = base
+        generator = torch.Generator().manual_seed(seed)
+        state = load_file(str(base / "model.safetensors"))
+        self.state = {n: t + 0.3 * t.std() * torch.randn(t.shape, generator=generator) for n, t in state.items()}
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.state)
+
+    def export_hf(self, out_dir: Path) -> Path:
+        shutil.copy(self.base / "config.json", out_dir / "config.json")
+        write_safetensors(self.state, out_dir / "model.safetensors")
+        return out_dir
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], Path]]:
+    root = tmp_path_factory.mktemp("weights")
+    with (
+        EngineThread(engine_settings(tiny_model_dir, weights_root=str(root))) as a,
+        EngineThread(engine_settings(tiny_model_dir, weights_root=str(root))) as b,
+    ):
+        yield [a, b], root
+
+
+def version(url: str) -> str:
+    return str(httpx.get(f"{url}/model_info").json()["weight_version"])
+
+
+async def test_a_broadcast_publish_reaches_the_engines_and_the_rest_load_from_disk(
+    redis_client: object, keys: Keys, tiny_model_dir: Path, engines: tuple[list[str], Path]
+) -> None:
+    urls, root = engines
+    scorer, old = StandInEngine("scorer", admin_token=ADMIN), StandInEngine("old", admin_token=ADMIN)
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    with serving([scorer.app(), old.app()]) as (scorer.url, old.url):
+        for i, url in enumerate(urls):
+            await queue.register_engine(EngineInfo(id=f"engine-{i}", role="rollout", url=url))
+        await queue.register_engine(EngineInfo(id="scorer", role="scorer", url=scorer.url))
+        # an engine that speaks only /update_weights_from_disk: it cannot be paused
+        await queue.register_engine(EngineInfo(id="old", role="rollout", url=old.url))
+        publisher = WeightPublisher(
+            queue, root, admin_token=ADMIN, timeout_s=30, broadcast=True,
+            broadcast_options={"bucket_bytes": 256 * 1024},
+        )  # fmt: skip
+        try:
+            first = await publisher.publish(TensorExporter(tiny_model_dir, seed=1), version=1)
+            second = await publisher.publish(TensorExporter(tiny_model_dir, seed=2), version=2)
+        finally:
+            await publisher.aclose()
+    for report in (first, second):
+        assert report.stale == {}, report.stale
+        assert report.paths == {urls[0]: "broadcast", urls[1]: "broadcast", scorer.url: "disk", old.url: "disk"}
+        assert report.broadcast_s > 0 and report.export_s > 0
+    assert [version(u) for u in urls] == ["2", "2"] and scorer.weight_version == old.weight_version == "2"
+    assert [c["weight_version"] for c in old.calls] == ["1", "2"]
+    broadcast_ids = generate(urls[0], PROMPT)["output_ids"]
+    assert generate(urls[1], PROMPT)["output_ids"] == broadcast_ids
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+        loaded = await http.post(f"{urls[1]}/update_weights_from_disk", json={"model_path": str(root / "v2"), "weight_version": "2d"})
+        assert loaded.status_code == 200, loaded.text
+    assert generate(urls[1], PROMPT)["output_ids"] == broadcast_ids  # what the disk holds
+    assert not httpx.get(f"{urls[0]}/server_info").json()["paused"]  # resumed after
