@@ -22,7 +22,10 @@ class PublishStatus(BaseModel):
     path: str
     updated: list[str] = Field(description="engine URLs that loaded this version")
     stale: dict[str, str] = Field(description="engine URL -> why its update failed")
-    seconds: float = Field(description="export + every engine's update")
+    seconds: float = Field(description="broadcast + export + every engine's update")
+    paths: dict[str, str] = Field(
+        default_factory=dict, description="engine URL -> how it got the version: broadcast | disk"
+    )
 
 
 class LearnerStatus(BaseModel):

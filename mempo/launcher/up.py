@@ -48,6 +48,7 @@ class UpOptions:
     mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
     neg_adv_scale: float | None = None  # negative advantages multiplied by this
     mem_loss: str | None = None  # shared | span-mean: how the <mem> tokens' loss is aggregated
+    weight_sync: str = "disk"  # disk | broadcast: how the rollout engines get each version
     seed: int = 0
     world_seed: int = 0  # the agent's world (retrieval's corpus, the learner's tasks)
     display: bool = True
@@ -146,7 +147,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
         MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
         MEMPO_LEARNER_TRAINER__NEG_ADV_SCALE=opts.neg_adv_scale,
-        MEMPO_LEARNER_TRAINER__MEM_LOSS=opts.mem_loss,
+        MEMPO_LEARNER_TRAINER__MEM_LOSS=opts.mem_loss, MEMPO_LEARNER_WEIGHT_SYNC=opts.weight_sync,
     )
     second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
                             env=_over(opts, "learner", learner_env)))

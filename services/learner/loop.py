@@ -125,7 +125,7 @@ class LearnerLoop:
             keep_versions=settings.keep_versions,
             role_tokens=settings.role_tokens(),
             protected=settings.model_path,  # the base model may live in the weights root (v0)
-            broadcast=settings.weight_sync == "broadcast",
+            broadcast=settings.weight_sync == "broadcast" and not _sharded(trainer),
             broadcast_options={
                 "master_address": settings.weight_sync_address,
                 "port": settings.weight_sync_port,
@@ -277,3 +277,12 @@ class LearnerLoop:
                 if burst:
                     return
                 await self.admit()  # idle: refill places freed by dead-lettered tasks
+
+
+def _sharded(trainer: Any) -> bool:
+    """A sharded (FSDP) trainer publishes through disk only: its full state is gathered by
+    ``export_hf``'s collective (a broadcast of it is not implemented)."""
+    if trainer.dist.sharded:
+        log.warning("weight_sync = broadcast: not with a sharded trainer; publishing through disk")
+        return True
+    return False

@@ -139,6 +139,7 @@ class LearnerRunner:
                 updated=report.updated,
                 stale=report.stale,
                 seconds=report.total_s,
+                paths=report.paths,
             ),
             last_metrics=None
             if last is None

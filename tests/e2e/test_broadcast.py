@@ -1,0 +1,80 @@
+"""Weights by broadcast through the real services (``weight_sync = broadcast``): the
+learner, 2 CPU engines behind their workers, the scorer, redis, as processes. Every
+version reaches both engines over gloo and the scorer from disk; an engine killed while
+a publish waits on it is left out, the other stays on whole versions and the run goes
+on; restarted, it catches up from disk and takes broadcasts again."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import FAULT_ENV
+from tests.e2e.system import System, merged, running_system
+
+pytestmark = pytest.mark.e2e
+
+BROADCAST_ENV = merged(FAULT_ENV, {
+    "learner": {"MEMPO_LEARNER_WEIGHT_SYNC": "broadcast", "MEMPO_LEARNER_PUBLISH_TIMEOUT_S": "20"},
+})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def system(e2e_root: Path, tiny_model_dir: Path) -> Iterator[System]:
+    with running_system(e2e_root, tiny_model_dir, steps=100_000, service_env=BROADCAST_ENV) as s:
+        yield s
+
+
+def publish_after(s: System, version: int) -> dict[str, object]:
+    """The learner's report of the first publish past ``version``."""
+    def published() -> dict[str, object] | None:
+        last = s.status().get("last_publish")
+        return last if last and last["version"] > version else None
+
+    return s.wait(f"a publish after v{version}", published, timeout_s=120)
+
+
+def test_every_version_reaches_the_engines_by_broadcast(system: System) -> None:
+    s = system
+    s.wait_step(2, timeout_s=180)
+    report = publish_after(s, 1)
+    workers, scorer = s.ends.workers, s.ends.scorer
+    assert report["stale"] == {}, report
+    assert report["paths"] == {workers[0]: "broadcast", workers[1]: "broadcast", scorer: "disk"}, report
+    version = int(str(report["version"]))
+    s.wait("every engine and the scorer at the published version (or the next)",
+           lambda: min(int(v) for v in s.weight_versions().values()) >= version or None,
+           timeout_s=30)  # fmt: skip
+    assert "joined weight-update group" in s.child("engine-0").log_tail(200)
+
+
+def test_an_engine_killed_during_a_publish_is_left_out_then_catches_up(system: System) -> None:
+    s = system
+    engine = s.child("engine-1")
+    s.sup.kill(engine, signal.SIGSTOP)  # the next publish's pause waits on it
+    version = int(s.status()["version"])
+    s.wait("the learner to publish past the frozen engine's version",
+           lambda: s.status()["step"] > version or None, timeout_s=120)  # fmt: skip
+    s.sup.kill(engine)  # kill -9 while the publish waits on it
+    report = publish_after(s, version)
+    worker0, worker1 = s.ends.workers
+    assert report["paths"][worker0] == "broadcast" and worker0 not in report["stale"], report
+    assert worker1 in report["stale"], report  # neither broadcast nor disk reached it
+    # The run goes on with engine-0 on whole versions.
+    later = publish_after(s, int(str(report["version"])))
+    assert later["paths"][worker0] == "broadcast" and worker0 not in later["stale"], later
+    s.sup.restart(engine)  # a late joiner: its worker loads the policy from disk first
+    s.sup.wait_ready([engine], timeout_s=120)
+
+    def broadcast_to_worker1() -> dict[str, object] | None:
+        last = s.status()["last_publish"]
+        reached = last["paths"].get(worker1) == "broadcast" and worker1 not in last["stale"]
+        return last if reached else None
+
+    rejoined = int(str(s.wait("a publish that reaches the restarted engine by broadcast",
+                              broadcast_to_worker1, timeout_s=180)["version"]))  # fmt: skip
+    s.wait("engine-1 at the learner's version",
+           lambda: int(s.weight_versions()["engine-1"]) >= rejoined or None, timeout_s=30)  # fmt: skip
