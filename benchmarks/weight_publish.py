@@ -1,4 +1,5 @@
-"""Weight publishing: the learner's publish to 2 CPU engines and the scorer vs a plain copy.
+"""Weight publishing: the learner's publish to 2 CPU engines and the scorer vs a plain copy,
+on the disk path and on the broadcast path.
 
 A publish is what the learner does after every step: the trainer exports HF safetensors
 to ``weights_root/v{n}/`` (temp dir + rename), ``mempo:policy`` moves, and every
@@ -6,8 +7,11 @@ registered engine and the scorer load the version (``/update_weights_from_disk``
 parallel), then old versions are deleted. The engines and the scorer run as separate
 processes, as in a deployment. The baseline, measured in the same run on the same disk,
 is ``shutil.copytree`` of the published folder. Each publish is checked: every
-process's ``/model_info`` must report the new version. Prints one JSON line:
-{"publish_s", "copy_s", "ratio", ...}. Goal: ratio <= 2.
+process's ``/model_info`` must report the new version. Then the same with
+``weight_sync = broadcast``: the engines get the tensors over gloo (services/learner/
+broadcast.py; the scorer still loads the folder): ``broadcast_s`` is the engines' push,
+``broadcast_ratio`` it over the copy. Prints one JSON line: {"publish_s", "copy_s",
+"ratio", "broadcast_s", "broadcast_ratio", ...}. Goals: ratio <= 2, broadcast_ratio <= 1.
 
     python benchmarks/weight_publish.py [--preset medium|reader|test] [--reps 5]
     python benchmarks/weight_publish.py --smoke   # seconds-scale sizes: checks it runs
@@ -124,6 +128,7 @@ async def publish_and_copy(
         "copy_s": copied,
         "export_s": report.export_s,
         "notify_s": report.notify_s,
+        "broadcast_s": report.broadcast_s,
         **receivers,
         "bytes": folder_bytes(Path(report.path)),
     }
@@ -132,6 +137,7 @@ async def publish_and_copy(
 async def measure(
     model: Path, urls: list[str], redis_url: str, root: Path, reps: int
 ) -> dict[str, Any]:
+    """The disk path's publishes, then the broadcast path's, each against its copies."""
     from services.learner.publish import WeightPublisher
     from services.learner.trainer import Trainer
     from services.learner.trainer_config import TrainerConfig
@@ -142,27 +148,40 @@ async def measure(
     for i, url in enumerate(urls):
         info = EngineInfo(id=f"p{i}", role="scorer" if i == 2 else "rollout", url=url)
         await queue.register_engine(info, ttl_s=3600)
-    publisher = WeightPublisher(queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=2)
+    paths: dict[str, dict[str, float]] = {}
+    version = 0
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            runs = [
-                await publish_and_copy(publisher, trainer, version, urls, http)
-                for version in range(1, reps + 2)
-            ][1:]  # the first publish warms caches: not counted
+            for path in ("disk", "broadcast"):
+                publisher = WeightPublisher(
+                    queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=2,
+                    broadcast=path == "broadcast",
+                )  # fmt: skip
+                try:
+                    runs = []
+                    for _ in range(reps + 1):  # the first publish warms caches: not counted
+                        version += 1
+                        runs.append(await publish_and_copy(publisher, trainer, version, urls, http))
+                finally:
+                    await publisher.aclose()
+                paths[path] = {name: statistics.median(run[name] for run in runs[1:]) for name in runs[0]}
     finally:
-        await publisher.aclose()
         await queue.aclose()
         await redis.aclose()
-    median = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+    disk, sent = paths["disk"], paths["broadcast"]
     return {
-        "publish_s": round(median["publish_s"], 4),
-        "copy_s": round(median["copy_s"], 4),
-        "ratio": round(median["publish_s"] / median["copy_s"], 3),
-        "export_s": round(median["export_s"], 4),
-        "notify_s": round(median["notify_s"], 4),
-        "engine_s": [round(median["receiver0_s"], 4), round(median["receiver1_s"], 4)],
-        "scorer_s": round(median["receiver2_s"], 4),
-        "bytes": int(median["bytes"]),
+        "publish_s": round(disk["publish_s"], 4),
+        "copy_s": round(disk["copy_s"], 4),
+        "ratio": round(disk["publish_s"] / disk["copy_s"], 3),
+        "export_s": round(disk["export_s"], 4),
+        "notify_s": round(disk["notify_s"], 4),
+        "engine_s": [round(disk["receiver0_s"], 4), round(disk["receiver1_s"], 4)],
+        "scorer_s": round(disk["receiver2_s"], 4),
+        # broadcast: the engines' push alone, and the whole publish (+ the disk for the scorer)
+        "broadcast_s": round(sent["broadcast_s"], 4),
+        "broadcast_ratio": round(sent["broadcast_s"] / sent["copy_s"], 3),
+        "broadcast_publish_s": round(sent["publish_s"], 4),
+        "bytes": int(disk["bytes"]),
         "params": sum(p.numel() for p in trainer.policy.parameters()),
         "receivers": len(urls),
         "reps": reps,
