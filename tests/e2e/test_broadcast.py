@@ -1,12 +1,15 @@
 """Weights by broadcast through the real services (``weight_sync = broadcast``): the
 learner, 2 CPU engines behind their workers, the scorer, redis, as processes. Every
-version reaches both engines over gloo and the scorer from disk; an engine killed while
-a publish waits on it is left out, the other stays on whole versions and the run goes
-on; restarted, it catches up from disk and takes broadcasts again."""
+version reaches both engines over gloo (in many small buckets) and the scorer from disk;
+an engine killed in the middle of a broadcast (frozen between two of its buckets, then
+kill -9) is left out, the other ends on the whole version and the run goes on;
+restarted, it catches up from disk and takes broadcasts again."""
 
 from __future__ import annotations
 
+import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +21,10 @@ from tests.e2e.system import System, merged, running_system
 pytestmark = pytest.mark.e2e
 
 BROADCAST_ENV = merged(FAULT_ENV, {
-    "learner": {"MEMPO_LEARNER_WEIGHT_SYNC": "broadcast", "MEMPO_LEARNER_PUBLISH_TIMEOUT_S": "20"},
+    "learner": {"MEMPO_LEARNER_WEIGHT_SYNC": "broadcast", "MEMPO_LEARNER_PUBLISH_TIMEOUT_S": "20",
+                "MEMPO_LEARNER_WEIGHT_SYNC_BUCKET_MB": "0.05"},  # about 60 buckets a version
 })  # fmt: skip
+RECEIVED = re.compile(r"received \d+ tensors by broadcast \(weight version (\S+)\)")
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +56,39 @@ def test_every_version_reaches_the_engines_by_broadcast(system: System) -> None:
     assert "joined weight-update group" in s.child("engine-0").log_tail(200)
 
 
-def test_an_engine_killed_during_a_publish_is_left_out_then_catches_up(system: System) -> None:
+def freeze_mid_broadcast(s: System) -> int:
+    """SIGSTOP engine-1 between two buckets of a broadcast (a bucket of the next version
+    received, not its last one); the version engine-1 held."""
+    engine = s.child("engine-1")
+    for _ in range(20):
+        held = s.weight_versions()["engine-1"]
+        offset = engine.log_path.stat().st_size
+        deadline = time.monotonic() + 120
+        while not RECEIVED.search(engine.log_path.read_bytes()[offset:].decode(errors="replace")):
+            assert time.monotonic() < deadline, f"no broadcast reached engine-1\n{s.diagnosis()}"
+            time.sleep(0.005)
+        s.sup.kill(engine, signal.SIGSTOP)
+        seen = RECEIVED.findall(engine.log_path.read_bytes()[offset:].decode(errors="replace"))
+        if seen[-1] == held:  # the version moves with the last bucket only: mid-broadcast
+            return int(held)
+        s.sup.kill(engine, signal.SIGCONT)  # caught it after the last bucket: next version
+    raise AssertionError(f"never caught engine-1 in the middle of a broadcast\n{s.diagnosis()}")
+
+
+def test_an_engine_killed_mid_broadcast_is_left_out_then_catches_up(system: System) -> None:
     s = system
     engine = s.child("engine-1")
-    s.sup.kill(engine, signal.SIGSTOP)  # the next publish's pause waits on it
-    version = int(s.status()["version"])
-    s.wait("the learner to publish past the frozen engine's version",
-           lambda: s.status()["step"] > version or None, timeout_s=120)  # fmt: skip
-    s.sup.kill(engine)  # kill -9 while the publish waits on it
+    version = freeze_mid_broadcast(s)
+    time.sleep(1.0)
+    s.sup.kill(engine)  # kill -9 in the middle of the broadcast
     report = publish_after(s, version)
     worker0, worker1 = s.ends.workers
-    assert report["paths"][worker0] == "broadcast" and worker0 not in report["stale"], report
+    # The broadcast failed for both; engine-0 got the whole version from disk instead.
+    assert report["paths"][worker0] == "disk" and worker0 not in report["stale"], report
     assert worker1 in report["stale"], report  # neither broadcast nor disk reached it
-    # The run goes on with engine-0 on whole versions.
+    engine0 = s.http.get(f"{s.ends.engines[0]}/model_info").json()["weight_version"]
+    assert int(engine0) >= int(str(report["version"])), engine0
+    # The run goes on, engine-0 by broadcast again (a new group without engine-1).
     later = publish_after(s, int(str(report["version"])))
     assert later["paths"][worker0] == "broadcast" and worker0 not in later["stale"], later
     s.sup.restart(engine)  # a late joiner: its worker loads the policy from disk first
