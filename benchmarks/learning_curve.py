@@ -13,7 +13,8 @@ commands and services:
    steps, sampling seed s) and eval of its last weights. Arms: ``mempo`` (memory
    advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
    ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
-   over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks). An
+   over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks),
+   ``mempo-a03`` (MemPO with alpha 0.3: the memory advantage a third as heavy). An
    arm added later runs alone on the next call.
 
 Every phase is skipped when its output exists (rerun the same command to resume), and
@@ -63,6 +64,7 @@ ARMS = {
     "grpo": ["--alpha", "0", "--questions", "1"],
     "span": ["--alpha", "1", "--questions", "1", "--mem-loss", "span-mean"],  # FoldAct's per-span loss
     "mempo-k12": ["--alpha", "1", "--questions", "1,2"],  # MemPO on 1- and 2-question tasks
+    "mempo-a03": ["--alpha", "0.3", "--questions", "1"],  # a smaller memory advantage weight
 }
 
 
