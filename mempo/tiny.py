@@ -14,11 +14,11 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from mempo.files import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +256,8 @@ def ensure_tiny(cache_dir: str | Path, config: TinyConfig | None = None) -> Path
     final = Path(cache_dir) / name
     if config.pretrain_steps:
         log.warning("no shipped build of this pretrained tiny model: building it (minutes) in %s", final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
-    try:
+    with atomic_dir(final, prefix=".tiny-", replace=False) as tmp:  # a race: the first one kept
         build_tiny(tmp, config, texts)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process won the race: use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

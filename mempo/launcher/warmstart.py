@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mempo.files import atomic_dir
 from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
 
 
@@ -49,11 +49,7 @@ def warm_started_policy(spec: WarmStart, cache_dir: Path | None = None) -> Path:
     final = cache / "sft" / f"sft-{spec.key(base)}"
     if (final / "model.safetensors").exists():
         return final
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"[mempo] SFT warm start of the tiny model ({spec.steps} steps, once; cached in {final})", flush=True)
-    subprocess.run(sft_command(spec, base, tmp), check=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with atomic_dir(final) as tmp:
+        subprocess.run(sft_command(spec, base, tmp), check=True)
     return final

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mempo.files import atomic_dir
 from mempo.tiny import make_world_readable
 from mempo.weights import check_finite, write_safetensors
 
@@ -93,19 +92,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- save / load
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
@@ -138,24 +124,13 @@ def save(root: Path, state: TrainingState, keep_last: int) -> Path:
             "saved_at": time.time(),
         }
     )  # fails here, before anything is written, if extra is not JSON
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{meta.step}-", dir=root))
-    try:
+    final = root / f"step-{meta.step:08d}"  # the same step saved again (a retry): replaced
+    with atomic_dir(final, prefix=f"{_TEMP_PREFIX}{meta.step}-", durable=True) as tmp:
         torch.save(state.model, tmp / "model.pt")
         torch.save(state.optimizer, tmp / "optimizer.pt")
         torch_rng = {k: v for k, v in state.rng.items() if k not in python_rng}
         torch.save({"scheduler": state.scheduler, "rng": torch_rng}, tmp / "trainer.pt")
         (tmp / "meta.json").write_text(meta_json)
-        for path in tmp.iterdir():
-            _fsync_file(path)
-        _fsync_dir(tmp)
-        final = root / f"step-{meta.step:08d}"
-        if final.exists():  # the same step saved again (a retried save): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _fsync_dir(root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     _retain(root, keep_last)
     log.info("checkpoint step %s (version %s) saved to %s", meta.step, meta.version, final)
     return final

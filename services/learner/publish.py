@@ -24,7 +24,6 @@ import asyncio
 import logging
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import httpx
 import torch
 
 from mempo.clients.engine import EngineClient, EngineError
+from mempo.files import atomic_dir
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
 from mempo.tiny import make_world_readable
@@ -185,18 +185,11 @@ class WeightPublisher:
         """``v{version}/`` written atomically (temp dir + rename) and world-readable."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)
-        final = self.version_dir(version)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{version}-", dir=self.root))
-        try:
+        final = self.version_dir(version)  # re-published after a resume: replaced
+        with atomic_dir(final, prefix=f"{_TEMP_PREFIX}{version}-") as tmp:
             exporter.export_hf(tmp)
             check_finite(map_safetensors(tmp), f"weights version {version}")
             make_world_readable(tmp)
-            if final.exists():  # re-publishing after a resume: replace the old copy
-                shutil.rmtree(final)
-            tmp.rename(final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return final
 
     async def notify(

@@ -15,8 +15,6 @@ import json
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from mempo.agent_format import (
     memory_prompt_ids,
     parse_response,
 )
+from mempo.files import atomic_dir
 from mempo.schemas import Round, Trajectory
 from services.learner.batch import TrainingBatch, TrainSequence, trajectory_sequences
 from services.learner.packing import forward_logprobs, micro_batches
@@ -241,14 +240,8 @@ def _write_policy(model: Any, base_dir: Path, out_dir: Path) -> None:
     from services.learner.checkpoint import export_hf, tied_parameter_names
 
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         export_hf(state, model.config, base_dir, tmp, tied=tied_parameter_names(model))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train_sft(

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from mempo.bm25 import Bm25Index
+from mempo.files import atomic_dir
 from services.retrieval.backends import HybridIndex, SearchBackend
 from services.retrieval.corpus import CorpusReport, DocumentStore, DocumentWriter, read_corpus
 from services.retrieval.dense import (
@@ -123,15 +122,8 @@ def build_index(
         raise BadIndex(f"corpus {corpus} is not a file")
     if out.exists() and any(out.iterdir()) and not force:
         raise BadIndex(f"{out} exists and is not empty (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out, prefix=f".{out.name}-") as tmp:
         manifest = _build_into(tmp, corpus, backend, model, dense_index, progress, on_bm25)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 

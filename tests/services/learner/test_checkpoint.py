@@ -30,8 +30,8 @@ CRASHING_RUN = textwrap.dedent(
     import os, sys, torch
     torch.set_num_threads(1)
     from pathlib import Path
+    from mempo import files
     from mempo.schemas import Group
-    from services.learner import checkpoint
     from services.learner.trainer import Trainer
     from services.learner.trainer_config import TrainerConfig
 
@@ -44,11 +44,12 @@ CRASHING_RUN = textwrap.dedent(
     trainer.train_step(steps[0])
     trainer.save_checkpoint(root, [g.group_id for g in steps[0]], {"admitted": 8})
     trainer.train_step(steps[1])
-    real_fsync_dir = checkpoint._fsync_dir
-    def crash(path):
-        real_fsync_dir(path)
-        os._exit(17)
-    checkpoint._fsync_dir = crash
+    real_fsync = files._fsync
+    def crash(path, flags):
+        real_fsync(path, flags)
+        if path.name.startswith(".tmp-step-"):  # the temp folder, whole, not yet renamed
+            os._exit(17)
+    files._fsync = crash
     trainer.save_checkpoint(root, [g.group_id for g in steps[1]])
     """
 )
