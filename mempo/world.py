@@ -334,12 +334,3 @@ class World:
 
 def _article(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
-
-
-def __getattr__(name: str) -> object:
-    """The oracle lives in mempo/oracle.py; ``mempo.world.Oracle`` still finds it."""
-    if name in ("Oracle", "OracleRound"):
-        from mempo import oracle
-
-        return getattr(oracle, name)
-    raise AttributeError(name)
