@@ -254,7 +254,9 @@ class RolloutWorker:
     # ----------------------------------------------------------------- policy and registry
 
     async def sync_policy(self) -> None:
-        """Load ``mempo:policy`` into the engine if the engine's weights are older."""
+        """Load ``mempo:policy`` into the engine if the engine's weights are older. The
+        engine is asked each time (one GET before each task): one that restarted since
+        (back on its base weights) is caught up before it takes work."""
         if self.queue is None or self.groups is None:
             return
         async with self._policy_lock:
@@ -263,8 +265,6 @@ class RolloutWorker:
                 return
             self.policy_version = policy.version
             episodes = self.groups.episodes
-            if parse_weight_version(episodes.engine_version) >= policy.version:
-                return
             try:
                 info = await self.upstreams.engine.model_info()
                 episodes.engine_version = info.weight_version

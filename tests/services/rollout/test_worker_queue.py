@@ -219,11 +219,16 @@ async def test_the_engine_is_brought_to_the_policy_before_work(
     ) as worker:
         await worker.run(burst=True)
         assert worker.status().engine_weight_version == "3" and worker.status().policy_version == 3
-    (update,) = engine.updates  # once: afterwards the engine is current
-    assert update["model_path"] == "/weights/v3" and update["weight_version"] == "3"
-    assert update["authorization"] == "Bearer s3cret"
-    (group,) = await learner_groups(redis_client, keys)
-    assert group.policy_version == 3
+        (update,) = engine.updates  # once: afterwards the engine is current
+        assert update["model_path"] == "/weights/v3" and update["weight_version"] == "3"
+        assert update["authorization"] == "Bearer s3cret"
+        (group,) = await learner_groups(redis_client, keys)
+        assert group.policy_version == 3
+        engine.weight_version = "0"  # the engine restarted: back on its base weights
+        await publish(queue, make_tasks(world, 1, n=1))
+        await worker.run(burst=True)
+        assert [u["weight_version"] for u in engine.updates] == ["3", "3"]  # caught up first
+        assert {g.policy_version for g in await learner_groups(redis_client, keys)} == {3}
 
 
 async def test_the_worker_registers_with_a_heartbeat_and_leaves_on_stop(
