@@ -10,8 +10,10 @@ One push:
 3. bucket by bucket (``bucket_bytes`` each, flattened: one collective per bucket), every
    engine is told the bucket's names, dtypes and shapes (``/update_weights_from_distributed``,
    the weight version on the last bucket) while the learner broadcasts its bytes;
-4. every engine is resumed (``/continue_generation``), whatever happened; never while a
-   bucket is in flight.
+4. every engine that loaded the version is resumed (``/continue_generation``; never while
+   a bucket is in flight); one that failed after it was paused stays paused, so that it
+   never generates on a part of a version, until the publisher has loaded the whole
+   version into it from disk (``resume``).
 
 An engine that fails any of it is reported with its error and the group is dropped (the
 next push makes a new one); the publisher then brings the engines not at the new version
@@ -70,6 +72,7 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self._members: _Membership | None = None
         self._generation = itertools.count(1)
+        self.held: set[str] = set()  # engines a failed push left paused
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], version: int, urls: list[str]
@@ -88,13 +91,24 @@ class WeightBroadcaster:
             if paused:  # one that could not be paused is left out (the disk path brings it)
                 loaded = await self._send(paused, errors, tensors, version)
         finally:
-            await self._each(clients, {u: None for u in urls}, lambda c: c.continue_generation())
-        for url in paused:
-            if url not in loaded:
-                errors[url] = errors[url] or "the broadcast stopped before its last bucket"
-        if loaded != set(paused):
+            # Those that did not load every bucket may hold a part of the version: they stay
+            # paused until the disk path has brought the whole of it (``resume``).
+            self.held = set(paused) - loaded
+            done: dict[str, str | None] = {u: None for u in urls if u not in self.held}
+            await self._each({u: clients[u] for u in done}, done, lambda c: c.continue_generation())
+        for url in self.held:
+            errors[url] = errors[url] or "the broadcast stopped before its last bucket"
+        if self.held:
             await self.close()  # the group's state is unknown: the next push makes a new one
         return errors
+
+    async def resume(self) -> None:
+        """Continue the engines a failed push left paused (after their disk update, which
+        a paused engine applies at once); one that cannot be reached is left."""
+        held, self.held = self.held, set()
+        clients = {u: EngineClient(u, admin_token=self.token_for(u), client=self.http) for u in held}
+        errors: dict[str, str | None] = dict.fromkeys(held)
+        await self._each(clients, errors, lambda c: c.continue_generation())
 
     async def _send(
         self,

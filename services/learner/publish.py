@@ -137,6 +137,8 @@ class WeightPublisher:
         engines = await self.queue.list_engines()  # and those that registered meanwhile
         rest = [e for e in engines if _base(e.url) not in sent]
         errors, disk_seconds = await self.notify(rest, path, version)
+        if self.broadcaster is not None:
+            await self.broadcaster.resume()  # those a failed broadcast left paused: loaded now
         notified = time.perf_counter()
         in_use = {parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors}
         removed = await asyncio.to_thread(self.remove_unused, version, in_use)

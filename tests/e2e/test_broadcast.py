@@ -88,6 +88,8 @@ def test_an_engine_killed_mid_broadcast_is_left_out_then_catches_up(system: Syst
     assert worker1 in report["stale"], report  # neither broadcast nor disk reached it
     engine0 = s.http.get(f"{s.ends.engines[0]}/model_info").json()["weight_version"]
     assert int(engine0) >= int(str(report["version"])), engine0
+    # held paused while it may have held a part of the version, resumed once it was whole
+    assert not s.http.get(f"{s.ends.engines[0]}/server_info").json()["paused"]
     # The run goes on, engine-0 by broadcast again (a new group without engine-1).
     later = publish_after(s, int(str(report["version"])))
     assert later["paths"][worker0] == "broadcast" and worker0 not in later["stale"], later
