@@ -99,7 +99,8 @@ class LearnerSettings(ServiceSettings):
     """broadcast: the address the engines reach this learner at (its weight group's store)."""
 
     weight_sync_port: int = Field(default=0, ge=0, le=65535)
-    """broadcast: the port of the weight group's store. 0: a free one for each group."""
+    """broadcast: the port of the weight group's store. 0: a free one for each new group
+    (the engines must reach any port of the learner, as on one docker network)."""
 
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
     """broadcast: the torch.distributed backend (nccl between GPUs)."""
