@@ -56,7 +56,8 @@ def start_http_stack(
             ADMIN_TOKEN=token, DEVICE="cpu", MAX_WAIT_MS=1)),
         "engine": sup.start("engine", ["mempo", "rollout", "engine"], url=urls["engine"], env=env(
             "ENGINE", PORT=ports["engine"], MODEL_PATH=model, WEIGHTS_ROOT=weights,
-            ADMIN_TOKEN=token, THREADS=1, CONTEXT_LENGTH=engine_context, DRAIN_TIMEOUT_S=2)),
+            ADMIN_TOKEN=token, THREADS=1, CONTEXT_LENGTH=engine_context, DRAIN_TIMEOUT_S=2,
+            WEIGHT_SYNC_TIMEOUT_S=1)),  # a group join with no learner behind it gives up fast
     }  # fmt: skip
     sup.wait_ready(list(first.values()), ready_timeout_s)
     second = {

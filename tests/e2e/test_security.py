@@ -51,6 +51,16 @@ ENGINE_ADMIN: dict[tuple[str, str], Any] = {
     ("POST", "/continue_generation"): {},
     ("POST", "/abort_request"): {"abort_all": True},
 }
+# The weight broadcast's routes: refused like the others; with the token they need a
+# learner joining the same group to succeed (tests/e2e/test_broadcast.py).
+BROADCAST_ADMIN: dict[tuple[str, str], Any] = {
+    ("POST", "/init_weights_update_group"): {
+        "master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2, "backend": "gloo",
+    },
+    ("POST", "/update_weights_from_distributed"): {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]},
+    ("POST", "/destroy_weights_update_group"): {},
+}  # fmt: skip
+ENGINE_ADMIN.update(BROADCAST_ADMIN)
 SCORER_ADMIN: dict[tuple[str, str], Any] = {("POST", "/update_weights_from_disk"): "v1"}
 OPS = {("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")}
 PUBLIC = {
@@ -64,7 +74,9 @@ PUBLIC = {
     "worker": OPS | {("GET", "/v1/status"), ("POST", "/v1/episodes")},
     "learner": OPS | {("GET", "/v1/status")},
 }  # fmt: skip
-WORKER_ADMIN = {("POST", "/update_weights_from_disk")}  # forwarded to the replica's engine
+# forwarded to the replica's engine
+WORKER_ADMIN = {("POST", "/update_weights_from_disk"), ("POST", "/pause_generation"),
+                ("POST", "/continue_generation"), *BROADCAST_ADMIN}  # fmt: skip
 ADMIN = {"engine": set(ENGINE_ADMIN), "scorer": set(SCORER_ADMIN), "worker": WORKER_ADMIN}
 
 
@@ -241,6 +253,8 @@ async def test_admin_routes_refuse_missing_and_wrong_tokens(
         assert (await client.get("/ready")).status_code == 200
         # The right token works, whatever the case of the scheme.
         for (method, path), body in routes.items():
+            if (method, path) in BROADCAST_ADMIN:
+                continue
             for scheme in ("Bearer", "bearer"):
                 headers = {"Authorization": f"{scheme} {TOKEN}"}
                 reply = await call(client, method, path, resolved_body(body, weights.root), headers)

@@ -104,6 +104,7 @@ class Engine:
         self.tokenizer_path = str(Path(settings.tokenizer_path or runner.model_path).resolve())
         self.weight_groups: dict[str, Any] = {}  # group name -> the learner's process group
         self._receiving = asyncio.Lock()  # one broadcast bucket at a time
+        self._joining = asyncio.Lock()  # one group being joined at a time
 
     @classmethod
     def load(cls, settings: EngineSettings, metrics: Metrics) -> Engine:
@@ -223,19 +224,22 @@ class Engine:
         """Join the learner's weight-update group (blocks until every rank has joined)."""
         if req.group_name in self.weight_groups:
             return _failed(f"Failed to initialize custom process group: {req.group_name} exists.")
+        if self._joining.locked():  # a join blocks a thread until its peers come or time out
+            return _failed("Failed to initialize custom process group: another group is being joined.")
         if req.rank_offset >= req.world_size:
             return _failed(
                 f"Failed to initialize custom process group: rank {req.rank_offset} is "
                 f"outside a world of {req.world_size}."
             )
         try:
-            group = await asyncio.to_thread(
-                join_group, req.master_address, req.master_port, req.rank_offset,
-                req.world_size, req.group_name, req.backend, self.settings.weight_sync_timeout_s,
-            )  # fmt: skip
+            async with self._joining:
+                group = await asyncio.to_thread(
+                    join_group, req.master_address, req.master_port, req.rank_offset,
+                    req.world_size, req.group_name, req.backend, self.settings.weight_sync_timeout_s,
+                )  # fmt: skip
         except (ValueError, RuntimeError, OSError) as exc:  # torch's DistError is a RuntimeError
             log.warning("joining weight-update group %s failed: %s", req.group_name, exc)
-            return _failed(f"Failed to initialize custom process group: {exc}.")
+            return _failed(f"Failed to initialize custom process group: {str(exc)[:300]}.")
         self.weight_groups[req.group_name] = group
         log.info(
             "joined weight-update group %s at %s:%d as rank %d of %d (%s)", req.group_name,
