@@ -17,7 +17,7 @@ Parts, each timed and reported as ok / failed (with the error) / skipped (with w
 On a machine without CUDA every part is skipped and the exit status is 0. Needs torch
 and transformers only (no sglang, no network); the tiny model is built locally.
 
-    python benchmarks/gpu_check.py [--out report.json] [--steps 4]
+    python scripts/gpu_check.py [--out report.json] [--steps 4]
 """
 
 from __future__ import annotations
