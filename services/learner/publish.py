@@ -1,5 +1,8 @@
 """Publishing weights: HF safetensors per version, the policy pointer, every engine told.
 
+0. With ``weight_sync = broadcast``, first the rollout engines get the tensors (checked
+   finite) over a torch.distributed group (services/learner/broadcast.py); those that
+   did are done, the others go on below.
 1. The trainer exports HF-format weights into a temp dir under the weights root, made
    world-readable (containers run as other users), read back and checked finite (a NaN
    or inf tensor, or one that overflowed the export dtype, fails the publish: nothing
@@ -7,8 +10,6 @@
    half a version.
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
-0. With ``weight_sync = broadcast``, first the rollout engines get the tensors over a
-   torch.distributed group (services/learner/broadcast.py); those that did are done.
 3. Every other live registration gets ``POST /update_weights_from_disk`` in parallel, with a
    timeout and the admin token of its role: a rollout replica at its worker's URL (the
    worker forwards to its engine, which is not reachable from outside the replica), the
@@ -128,8 +129,7 @@ class WeightPublisher:
         """(Broadcast to the rollout engines,) export, point ``mempo:policy`` at it,
         update every engine not at the version yet from disk, clean up."""
         started = time.perf_counter()
-        engines = await self.queue.list_engines()
-        sent, seconds = await self.broadcast(exporter, version, engines)
+        sent, seconds = await self.broadcast(exporter, version)
         broadcast = time.perf_counter()
         path = await asyncio.to_thread(self.write_version, exporter, version)
         exported = time.perf_counter()
@@ -164,13 +164,16 @@ class WeightPublisher:
         return report
 
     async def broadcast(
-        self, exporter: WeightExporter, version: int, engines: list[EngineInfo]
+        self, exporter: WeightExporter, version: int
     ) -> tuple[set[str], dict[str, float]]:
         """Broadcast the version to the rollout engines (with a broadcaster): the URLs
         that hold it now, and the push's seconds for each engine tried. Checked finite
         first: a NaN or inf is never sent (the export then fails the publish too)."""
+        if self.broadcaster is None:
+            return set(), {}
+        engines = await self.queue.list_engines()
         urls = sorted({_base(e.url) for e in engines if e.role == "rollout"})
-        if self.broadcaster is None or not urls:
+        if not urls:
             return set(), {}
         tensors = await asyncio.to_thread(exporter.export_tensors)
         if non_finite(tensors) is not None:
