@@ -158,9 +158,11 @@ def create_app(
         answer is passed on; an engine that cannot be reached is 502."""
         if body.weight_version is None:
             raise BadInput("weight_version: required (the worker tracks its engine's version)")
-        return await _to_engine(
-            worker.update_engine(body.model_path, body.weight_version, body.abort_all_requests)
+        engine = worker.upstreams.engine
+        update = engine.update_weights_from_disk(
+            body.model_path, body.weight_version, body.abort_all_requests
         )
+        return await _to_engine(worker.update_engine(update, body.weight_version))
 
     # The learner's weight broadcast (services/learner/broadcast.py), forwarded likewise:
     # the engine joins the learner's group itself, its tensors never pass through here.
@@ -195,7 +197,11 @@ def create_app(
         body: UpdateWeightsFromDistributedRequest, worker: WorkerDep, _: AdminDep
     ) -> UpdateWeightsResponse:
         """The next bucket of a weight broadcast; its version is this replica's once loaded."""
-        return await _to_engine(worker.receive_bucket(body))
+        update = worker.upstreams.engine.update_weights_from_distributed(
+            body.names, body.dtypes, body.shapes, body.weight_version, body.group_name,
+            body.load_format,
+        )  # fmt: skip
+        return await _to_engine(worker.update_engine(update, body.weight_version))
 
     @app.post(
         "/destroy_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"]

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.agent_format import Tokenizer
-from mempo.api.engine import UpdateWeightsFromDistributedRequest, UpdateWeightsResponse
+from mempo.api.engine import UpdateWeightsResponse
 from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
@@ -281,35 +281,21 @@ class RolloutWorker:
                 log.warning("the engine refused policy %d: %s", policy.version, reply.message)
 
     async def update_engine(
-        self, model_path: str, weight_version: str, abort_all_requests: bool = False
+        self, update: Awaitable[UpdateWeightsResponse], weight_version: str | None
     ) -> UpdateWeightsResponse:
-        """The learner's weight push, forwarded to this replica's engine (its admin key
-        stays here): the version is known at once for the groups in flight."""
+        """The learner's weight push (from disk, or one bucket of a broadcast), forwarded to
+        this replica's engine with its admin key: a version it carries is known at once
+        for the groups in flight."""
         async with self._policy_lock:
             in_flight = self.metrics.in_flight_episodes
-            reply = await self.upstreams.engine.update_weights_from_disk(
-                model_path, weight_version, abort_all_requests
-            )
-            if reply.success and self.groups is not None:
+            reply = await update
+            if reply.success and weight_version is not None and self.groups is not None:
                 self.groups.episodes.engine_version = weight_version
-        log.info(
-            "engine update to weights %s: %s (%d episodes in flight)",
-            weight_version, "done" if reply.success else reply.message, in_flight,
-        )
-        return reply
-
-    async def receive_bucket(
-        self, body: UpdateWeightsFromDistributedRequest
-    ) -> UpdateWeightsResponse:
-        """One bucket of the learner's weight broadcast, forwarded to this replica's engine;
-        the bucket that carries a version makes it the engine's."""
-        reply = await self.upstreams.engine.update_weights_from_distributed(
-            body.names, body.dtypes, body.shapes, body.weight_version, body.group_name,
-            body.load_format,
-        )  # fmt: skip
-        if reply.success and body.weight_version is not None and self.groups is not None:
-            self.groups.episodes.engine_version = body.weight_version
-            log.info("engine at weights %s (broadcast)", body.weight_version)
+        if weight_version is not None:
+            log.info(
+                "engine update to weights %s: %s (%d episodes in flight)",
+                weight_version, "done" if reply.success else reply.message, in_flight,
+            )  # fmt: skip
         return reply
 
     def registry_entry(self) -> EngineInfo:
