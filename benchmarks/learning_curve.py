@@ -14,15 +14,15 @@ commands and services:
    advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
    ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
    over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks),
-   ``mempo-a03`` (MemPO with alpha 0.3: the memory advantage a third as heavy). An
-   arm added later runs alone on the next call.
+   ``mempo-a03`` and ``mempo-a01`` (MemPO with alpha 0.3 and 0.1: the memory advantage
+   a third and a tenth as heavy). An arm added later runs alone on the next call.
 
 Every phase is skipped when its output exists (rerun the same command to resume), and
 each one's progress is printed to stderr. Prints one JSON line: means over seeds of
 ``sft_em``, ``mempo_em``, ``grpo_em`` (memory mode, k = 1: the RL tasks' k),
 ``sft_p_mem``, ``mempo_p_mem``, ``grpo_p_mem``, ``mempo_tokens_per_task`` and
 ``full_mode_tokens_per_task`` (the MemPO policy in memory and in full mode; all at
-k = 1; every figure of the larger k has a ``_k<k>`` suffix), ``minutes`` (one seed's
+k = 1; the MemPO arm, ``mempo_arm``, is the first of ``--arms`` that is not grpo; every figure of the larger k has a ``_k<k>`` suffix), ``minutes`` (one seed's
 whole run), then ``spread`` (standard deviation over seeds) and ``per_seed``;
 ``summary.json`` and ``curves.png`` in ``--out``.
 Goals (issue 24): mempo_em - sft_em >= 0.10; mempo_p_mem > grpo_p_mem; memory-mode tokens
@@ -65,6 +65,7 @@ ARMS = {
     "span": ["--alpha", "1", "--questions", "1", "--mem-loss", "span-mean"],  # FoldAct's per-span loss
     "mempo-k12": ["--alpha", "1", "--questions", "1,2"],  # MemPO on 1- and 2-question tasks
     "mempo-a03": ["--alpha", "0.3", "--questions", "1"],  # a smaller memory advantage weight
+    "mempo-a01": ["--alpha", "0.1", "--questions", "1"],  # smaller still
 }
 
 
@@ -248,10 +249,12 @@ def main() -> None:
         log(f"seed {seed} ({n} of {args.seeds}) in {args.out / f'seed-{seed}'}")
         rows.append(one_seed(seed, args))
     means, spread = summarise(rows)
+    mempo_arm = next((a for a in args.arms if a != "grpo"), "mempo")  # the MemPO arm the mempo_* keys report
     summary = {
-        **{k: means.get(k) for k in ("sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem", "grpo_p_mem",
-                                     "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes")},
-        "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
+        **{k: means.get(k.replace("mempo_", f"{mempo_arm}_", 1)) for k in (
+            "sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem", "grpo_p_mem",
+            "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes")},
+        "mempo_arm": mempo_arm, "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
         "eval_tasks": args.eval_tasks, "means": means, "spread": spread, "per_seed": rows,
         "curves": str(plot(args.out, rows, args.arms)),
     }  # fmt: skip
