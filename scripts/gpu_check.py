@@ -77,6 +77,7 @@ def scorer_bf16(model: Path) -> dict[str, Any]:
 
 
 def learner_steps(model: Path, steps: int) -> dict[str, Any]:
+    from services.learner.step import train_step
     from services.learner.trainer import Trainer
     from services.learner.trainer_config import TrainerConfig
     from tests.services.learner.factories import cached_groups
@@ -84,11 +85,11 @@ def learner_steps(model: Path, steps: int) -> dict[str, Any]:
     groups = cached_groups(model, 4)
     trainer = Trainer(TrainerConfig(beta_kl=0.02), model, device="cuda")
     torch.cuda.reset_peak_memory_stats()
-    trainer.train_step([g.model_copy(deep=True) for g in groups])  # warm-up
+    train_step(trainer, [g.model_copy(deep=True) for g in groups])  # warm-up
     torch.cuda.synchronize()
     started, rates, metrics = time.perf_counter(), [], {}
     for _ in range(steps):
-        metrics = trainer.train_step([g.model_copy(deep=True) for g in groups])
+        metrics = train_step(trainer, [g.model_copy(deep=True) for g in groups])
         rates.append(float(metrics["tokens_per_s"]))
     torch.cuda.synchronize()
     return {

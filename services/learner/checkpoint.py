@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ import torch
 from mempo.files import atomic_dir
 from mempo.tiny import make_world_readable
 from mempo.weights import check_finite, write_safetensors
+from services.learner.distributed import full_model_state, full_optimizer_state, load_full_state
+
+if TYPE_CHECKING:
+    from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +234,70 @@ def export_hf(
     config_path.write_text(json.dumps(data, indent=2))
     make_world_readable(out_dir)
     return out_dir
+
+
+# --------------------------------------------------------------------------- a trainer's
+
+
+def save_trainer(
+    trainer: Trainer, root: Path, trained_group_ids: list[str], extra: dict[str, Any]
+) -> Path:
+    """Checkpoint everything needed to resume ``trainer`` (collective under torchrun:
+    every rank gathers; rank 0 writes)."""
+    model_state = full_model_state(trainer.policy, trainer.dist)
+    optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer, trainer.dist)
+    path = root / f"step-{trainer.step:08d}"
+    if trainer.dist.is_main:
+        state = TrainingState(
+            meta=CheckpointState(trainer.step, trainer.version, list(trained_group_ids), extra),
+            model=model_state,
+            optimizer=optimizer_state,
+            scheduler={
+                **trainer.scheduler.state_dict(),
+                "optimizer_steps": trainer.optimizer_steps,
+            },
+            rng=capture_rng(),
+        )
+        path = save(root, state, trainer.config.keep_last)
+    if trainer.dist.sharded:
+        torch.distributed.barrier()
+    return path
+
+
+def load_trainer(trainer: Trainer, path: Path) -> CheckpointState:
+    """Restore weights, optimizer, schedule, RNG and counters from ``path`` (every rank)."""
+    state = load(path)
+    load_full_state(trainer.policy, trainer.optimizer, state.model, state.optimizer)
+    scheduler = dict(state.scheduler)
+    trainer.optimizer_steps = int(scheduler.pop("optimizer_steps", 0))
+    trainer.scheduler.load_state_dict(scheduler)
+    restore_rng(state.rng)
+    trainer.step, trainer.version = state.meta.step, state.meta.version
+    log.info("resumed from %s (step %s, version %s)", path, trainer.step, trainer.version)
+    return state.meta
+
+
+def export_trainer(trainer: Trainer, out_dir: Path) -> Path:
+    """The policy as an HF folder (collective under torchrun: rank 0 writes)."""
+    state = full_model_state(trainer.policy, trainer.dist)
+    if trainer.dist.is_main:
+        tied = tied_parameter_names(trainer.policy)
+        export_hf(
+            state, trainer.policy.config, trainer.model_path, out_dir, _export_dtype(trainer), tied
+        )
+    if trainer.dist.sharded:
+        torch.distributed.barrier()
+    return out_dir
+
+
+def trainer_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The tensors ``export_trainer`` writes, in memory (what a weight broadcast sends).
+    Unsharded trainers only: a sharded one exports through ``export_trainer``."""
+    if trainer.dist.sharded:
+        raise RuntimeError("a sharded trainer publishes through export_hf (disk) only")
+    state = full_model_state(trainer.policy, trainer.dist)
+    return export_tensors(state, _export_dtype(trainer), tied_parameter_names(trainer.policy))
+
+
+def _export_dtype(trainer: Trainer) -> torch.dtype | None:
+    return getattr(torch, trainer.config.export_dtype) if trainer.config.export_dtype else None

@@ -5,7 +5,7 @@ and the reference are sharded with FSDP2 ``fully_shard`` (each decoder layer, th
 root), on CUDA with NCCL and on CPU with gloo alike (FSDP2 runs on gloo in torch 2.13,
 so the CPU test exercises the same code as the GPU cluster). Rank 0 alone talks to Redis
 and HTTP: it calls the trainer's methods, which broadcast the command and its inputs
-(the groups) to the other ranks, parked in ``Trainer.follow()``. Every rank then
+(the groups) to the other ranks with ``lead``; they wait in ``follow``. Every rank then
 builds the identical batch and takes its share of each mini-batch.
 
 Gradients: FSDP2 averages them over ranks, so each rank's loss is scaled by the world
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,31 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     return box[0]
 
 
+def lead(ctx: DistContext, command: str, payload: Any) -> None:
+    """Rank 0: send ``command`` and its inputs to the ranks waiting in ``follow``. Nothing
+    to do without ranks, or on a rank > 0 (it is running the command already)."""
+    if ctx.sharded and ctx.is_main:
+        broadcast_object((command, payload), ctx)
+
+
+def follow(ctx: DistContext, handlers: Mapping[str, Callable[[Any], object]]) -> None:
+    """Ranks > 0: run rank 0's commands, ``handlers[command](payload)``, until "stop"."""
+    while True:
+        command, payload = broadcast_object(None, ctx)
+        if command == "stop":
+            return
+        handlers[command](payload)
+
+
+def release(ctx: DistContext) -> None:
+    """Rank 0: stop the ranks in ``follow``; every rank: leave the process group, together
+    (a rank that tears gloo down while another still talks to it can abort at exit)."""
+    if ctx.sharded:
+        lead(ctx, "stop", None)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum over ranks, in place on a device copy; returns a CPU tensor."""
     if not ctx.sharded:
@@ -105,6 +130,12 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     work = tensor.to(ctx.device)
     dist.all_reduce(work, op=dist.ReduceOp.SUM)
     return work.cpu()
+
+
+def reduce_sums(sums: Mapping[str, torch.Tensor], ctx: DistContext) -> dict[str, float]:
+    """Named scalar sums added over ranks in one collective (every rank, the same names)."""
+    stacked = torch.stack([value.double() for value in sums.values()]).cpu()
+    return dict(zip(sums, all_reduce_sum(stacked, ctx).tolist(), strict=True))
 
 
 def all_reduce_max(value: int, ctx: DistContext) -> int:

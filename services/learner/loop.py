@@ -16,43 +16,24 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from mempo.queue import RedisQueue
-from mempo.schemas import Group
 from mempo.weights import NonFiniteWeights
 from services.learner.admission import Admission, TaskSpec, open_source
 from services.learner.consumer import Batch, GroupConsumer, TrainedIds
 from services.learner.publish import PublishReport, WeightPublisher
 from services.learner.settings import LearnerSettings
 from services.learner.state import LearnerState
+from services.learner.step import train_step
 from services.learner.telemetry import LearnerMetrics, MetricsJournal
+from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 # Batches in a row whose training raised before the learner gives up: one bad batch is
 # the data's fault (dead-lettered, training goes on), several in a row the trainer's.
 MAX_FAILED_BATCHES = 3
-
-
-class PolicyTrainer(Protocol):
-    """What the loop needs of services/learner/trainer.py's Trainer."""
-
-    step: int
-    version: int
-    optimizer_steps: int
-
-    def train_step(self, groups: list[Group]) -> dict[str, float]: ...
-
-    def save_checkpoint(
-        self, root: Path, trained_group_ids: list[str], extra: dict[str, Any] | None = None
-    ) -> Path: ...
-
-    def export_hf(self, out_dir: Path) -> Path: ...
-
-    def export_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
 class LearnerLoop:
@@ -62,7 +43,7 @@ class LearnerLoop:
         self,
         settings: LearnerSettings,
         queue: RedisQueue,
-        trainer: PolicyTrainer,
+        trainer: Trainer,
         consumer: GroupConsumer,
         admission: Admission,
         publisher: WeightPublisher,
@@ -83,7 +64,6 @@ class LearnerLoop:
     ) -> LearnerLoop:
         """Resume the trainer from the latest checkpoint and re-publish it if engines lag."""
         from services.learner.batch import validate_group
-        from services.learner.trainer import Trainer
 
         await queue.ensure_groups()
         trainer, resumed = await asyncio.to_thread(
@@ -194,7 +174,7 @@ class LearnerLoop:
         MAX_FAILED_BATCHES failed batches in a row."""
         before = self.trainer.optimizer_steps
         try:
-            train = await asyncio.to_thread(self.trainer.train_step, batch.groups)
+            train = await asyncio.to_thread(train_step, self.trainer, batch.groups)
         except Exception as exc:
             reason = f"train_step: {type(exc).__name__}: {exc}"
             self.failed_batches += 1

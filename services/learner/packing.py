@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from services.learner.batch import TrainingBatch
+from services.learner.distributed import DistContext, all_reduce_max, split_across_ranks
+from services.learner.trainer_config import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,20 @@ def micro_batches(
         _assemble(batch, [[seqs[j] for j in row] for row in rows], pad_id, padded=not packed)
         for rows in plan
     ]
+
+
+def rank_micro_batches(
+    batch: TrainingBatch, seqs: Sequence[int], config: TrainerConfig, ctx: DistContext, pad_id: int
+) -> list[MicroBatch]:
+    """This rank's share of ``seqs`` (balanced by tokens), as micro-batches; padded with
+    dummies to the ranks' largest count, so every rank runs the same collectives."""
+    lengths = [len(s.input_ids) for s in batch.sequences]
+    share = split_across_ranks(seqs, lengths, ctx.world_size)[ctx.rank]
+    mine = micro_batches(
+        batch, share, config.micro_batch_tokens, config.row_tokens, config.packing, pad_id
+    )
+    count = all_reduce_max(len(mine), ctx)
+    return mine + [dummy_micro_batch(pad_id)] * (count - len(mine))
 
 
 def _assemble(batch: TrainingBatch, rows: list[list[int]], pad_id: int, padded: bool) -> MicroBatch:

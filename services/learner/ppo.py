@@ -21,8 +21,10 @@ from services.learner.batch import TrainingBatch
 from services.learner.packing import MicroBatch
 from services.learner.trainer_config import TrainerConfig
 
-# Per mini-batch sums, all-reduced once: token-weighted metrics, then the loss.
-SUMS = ("tokens", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl", "entropy", "loss")
+# What micro_loss reports, summed over a mini-batch's micro-batches and ranks: the
+# trained tokens, per-token figures (divided by the tokens for the mean), the loss.
+TOKEN_MEANS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl", "entropy")
+STATS = ("tokens", *TOKEN_MEANS, "loss")
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ def micro_loss(
     tokens: TokenData,
     denominator: float,
     token_scale: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """This micro-batch's share of the mini-batch loss, and its metric sums (see SUMS).
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the mini-batch loss, and its metric sums (see STATS).
 
     per token: clipped surrogate (dual clip) + beta * KL(pi || pi_ref) - c * entropy.
     ``logp`` (K,) and ``logits`` (K, V) come from packing.forward_logprobs.
@@ -144,17 +146,15 @@ def micro_loss(
         seq_ids=tokens.seq_ids[idx],
         global_denominator=denominator,
     )
-    k = torch.tensor(float(idx.numel()), device=logp.device)
-    stats = torch.stack(
-        [
-            k,
-            pg_loss.detach().sum(),
-            pg["pg_clipfrac"] * k,
-            pg["pg_clipfrac_lower"] * k,
-            pg["ppo_kl"] * k,
-            kl.detach().sum(),
-            entropy.detach().sum(),
-            loss.detach(),
-        ]
-    ).double()
+    k = float(idx.numel())
+    stats = {
+        "tokens": torch.tensor(k, device=logp.device),
+        "pg_loss": pg_loss.detach().sum(),
+        "pg_clipfrac": pg["pg_clipfrac"] * k,
+        "pg_clipfrac_lower": pg["pg_clipfrac_lower"] * k,
+        "ppo_kl": pg["ppo_kl"] * k,
+        "kl": kl.detach().sum(),
+        "entropy": entropy.detach().sum(),
+        "loss": loss.detach(),
+    }
     return loss, stats

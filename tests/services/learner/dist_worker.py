@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mempo.schemas import Group
+from services.learner.step import train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 
@@ -29,7 +30,7 @@ def main() -> None:
         trainer.close()
         return
     groups = [Group.model_validate_json(line) for line in data.read_text().splitlines()]
-    metrics = trainer.train_step(groups)
+    metrics = train_step(trainer, groups)
     trainer.save_checkpoint(
         out / "ckpt", [g.group_id for g in groups], {"world": trainer.dist.world_size}
     )

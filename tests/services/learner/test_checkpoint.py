@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from mempo.weights import NonFiniteWeights
 from services.learner import checkpoint
+from services.learner.step import train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from tests.conftest import REPO
@@ -32,6 +33,7 @@ CRASHING_RUN = textwrap.dedent(
     from pathlib import Path
     from mempo import files
     from mempo.schemas import Group
+    from services.learner.step import train_step
     from services.learner.trainer import Trainer
     from services.learner.trainer_config import TrainerConfig
 
@@ -41,9 +43,9 @@ CRASHING_RUN = textwrap.dedent(
              for part in data.read_text().split("\\n\\n")]
     trainer, state = Trainer.resume(config, model, root)
     assert state is None
-    trainer.train_step(steps[0])
+    train_step(trainer, steps[0])
     trainer.save_checkpoint(root, [g.group_id for g in steps[0]], {"admitted": 8})
-    trainer.train_step(steps[1])
+    train_step(trainer, steps[1])
     real_fsync = files._fsync
     def crash(path, flags):
         real_fsync(path, flags)
@@ -99,11 +101,11 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     assert (state.step, state.version, state.extra) == (1, 1, {"admitted": 8})
     assert state.trained_group_ids == [g.group_id for g in first]
     assert (resumed.step, resumed.version, resumed.optimizer_steps) == (1, 1, 2)
-    resumed.train_step(second)
+    train_step(resumed, second)
 
     straight = Trainer(CONFIG, tiny_model_dir)
-    straight.train_step(first)
-    straight.train_step(second)
+    train_step(straight, first)
+    train_step(straight, second)
     got, want = params(resumed), params(straight)
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -154,7 +156,7 @@ def test_export_hf_loads_as_the_same_policy(tiny_model_dir: Path, tmp_path: Path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trainer = Trainer(TrainerConfig(lr=1e-3, beta_kl=0.0), tiny_model_dir)
-    trainer.train_step(cached_groups(tiny_model_dir, 1))
+    train_step(trainer, cached_groups(tiny_model_dir, 1))
     out = trainer.export_hf(tmp_path / "v1")
     for path in [out, *out.iterdir()]:
         mode = stat.S_IMODE(path.stat().st_mode)

@@ -13,6 +13,7 @@ import torch
 from mempo.procs import free_port
 from services.learner import checkpoint
 from services.learner.distributed import split_across_ranks
+from services.learner.step import train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from tests.conftest import REPO
@@ -66,7 +67,7 @@ def test_two_processes_make_the_same_update_as_one(tiny_model_dir: Path, tmp_pat
     two = json.loads((tmp_path / "metrics.json").read_text())
 
     single = Trainer(config, tiny_model_dir)
-    one = single.train_step(groups)
+    one = train_step(single, groups)
     for name in ("tokens", "sequences", "reward_mean", "optimizer_steps"):
         assert two["step"][name] == one[name], name
     for a, b in zip(two["minibatches"], single.minibatch_metrics, strict=True):

@@ -20,6 +20,7 @@ from mempo.arrays import LogProbs, TokenIds
 from mempo.clients.engine import EngineClient, Generation
 from mempo.schemas import Group, Round, Task, Trajectory
 from services.learner.batch import build_batch
+from services.learner.step import logprobs, train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from services.rollout.engine.inprocess import EngineThread
@@ -96,12 +97,12 @@ async def test_the_learner_recomputes_the_engines_logprobs(url: str, tiny_model_
     assert again.temperature == T  # it travels in the wire record
     trainer = Trainer(TrainerConfig(mini_batches=2, beta_kl=0.0, lr=1e-6), tiny_model_dir)
     batch = build_batch([again])
-    recomputed = trainer._logprobs(trainer.policy, batch)
+    recomputed = logprobs(trainer, trainer.policy, batch)
     assert torch.allclose(recomputed, batch.rollout_logprobs, atol=1e-5)
-    metrics = trainer.train_step([again])
+    metrics = train_step(trainer, [again])
     assert metrics["logprob_gap"] < 1e-5  # recomputed before the update: the same numbers
 
-    mislabelled = trainer.train_step([group_of(await sample(url, T), 1.0)])
+    mislabelled = train_step(trainer, [group_of(await sample(url, T), 1.0)])
     assert mislabelled["logprob_gap"] > 1e-2  # the metric shows a temperature mismatch
 
 
@@ -111,7 +112,7 @@ async def test_greedy_rollouts_are_recomputed_at_t_1(url: str, tiny_model_dir: P
     trainer = Trainer(TrainerConfig(mini_batches=2, beta_kl=0.0), tiny_model_dir)
     batch = build_batch([group])
     assert torch.allclose(
-        trainer._logprobs(trainer.policy, batch), batch.rollout_logprobs, atol=1e-5
+        logprobs(trainer, trainer.policy, batch), batch.rollout_logprobs, atol=1e-5
     )
 
 

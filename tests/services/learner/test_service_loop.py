@@ -14,8 +14,11 @@ from mempo.keys import Keys
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import Group, Task
 from mempo.weights import map_safetensors, non_finite
+from services.learner import loop as learner_loop
 from services.learner.loop import MAX_FAILED_BATCHES, LearnerLoop
 from services.learner.settings import LearnerSettings
+from services.learner.step import train_step
+from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.service_support import StandInEngine, make_group, serving
 
@@ -264,7 +267,12 @@ async def test_a_nan_reward_never_reaches_the_published_policy(
 
 
 async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_on(
-    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+    redis_url: str,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    queue: RedisQueue,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
     loop = await LearnerLoop.open(settings, queue)
@@ -273,14 +281,13 @@ async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_
             await queue.publish_group(
                 make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2))
             )
-        real = loop.trainer.train_step
 
-        def picky(groups: list[Group]) -> dict[str, float]:
+        def picky(trainer: Trainer, groups: list[Group]) -> dict[str, float]:
             if groups[0].group_id == "bad":
                 raise OverflowError("value cannot be converted to type float without overflow")
-            return real(groups)
+            return train_step(trainer, groups)
 
-        loop.trainer.train_step = picky  # type: ignore[method-assign]
+        monkeypatch.setattr(learner_loop, "train_step", picky)
         record = await loop.training_step()
         assert record is not None and loop.trainer.step == 1  # trained on "good"
         (dead,) = await queue.dead_letters()
@@ -292,7 +299,12 @@ async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_
 
 
 async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pending(
-    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+    redis_url: str,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    queue: RedisQueue,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
     loop = await LearnerLoop.open(settings, queue)
@@ -304,10 +316,10 @@ async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pend
             for i in range(MAX_FAILED_BATCHES)
         ]
 
-        def explode(groups: object) -> dict[str, float]:
+        def explode(trainer: object, groups: object) -> dict[str, float]:
             raise RuntimeError("CUDA error: an illegal memory access")
 
-        loop.trainer.train_step = explode  # type: ignore[method-assign]
+        monkeypatch.setattr(learner_loop, "train_step", explode)
         with pytest.raises(RuntimeError, match="illegal memory access"):
             await loop.training_step()
         assert len(await queue.dead_letters()) == MAX_FAILED_BATCHES - 1
@@ -318,7 +330,12 @@ async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pend
 
 
 async def test_a_step_that_fails_half_way_stops_the_learner(
-    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue
+    redis_url: str,
+    keys: Keys,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    queue: RedisQueue,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After an optimizer step the weights hold part of the batch: no going on from there
     (the restart resumes from the checkpoint); the groups stay pending."""
@@ -329,11 +346,11 @@ async def test_a_step_that_fails_half_way_stops_the_learner(
             make_group(Task(group_id="g", questions=["q?"], answers=[["a"]], n=2))
         )
 
-        def half_way(groups: object) -> dict[str, float]:
+        def half_way(trainer: object, groups: object) -> dict[str, float]:
             loop.trainer.optimizer_steps += 1
             raise RuntimeError("the second mini-batch failed")
 
-        loop.trainer.train_step = half_way  # type: ignore[method-assign]
+        monkeypatch.setattr(learner_loop, "train_step", half_way)
         with pytest.raises(RuntimeError, match="second mini-batch"):
             await loop.training_step()
         assert await queue.dead_letters() == []

@@ -10,6 +10,7 @@ import torch
 from mempo.schemas import Round
 from services.learner.batch import TrainingBatch
 from services.learner.ppo import span_mean_weights
+from services.learner.step import make_batch, train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.factories import cached_groups
@@ -30,7 +31,7 @@ def test_one_step_changes_the_policy_and_never_the_reference(tiny_model_dir: Pat
     trainer = Trainer(TrainerConfig(lr=1e-3, warmup_steps=4), tiny_model_dir)
     assert trainer.ref is not None
     before, ref_before = snapshot(trainer.policy), snapshot(trainer.ref)
-    metrics = trainer.train_step(groups)
+    metrics = train_step(trainer, groups)
     after = snapshot(trainer.policy)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert len(changed) == len(before)  # every parameter tensor moved
@@ -49,7 +50,7 @@ def test_first_minibatch_has_ratio_one_with_recomputed_old_logprobs(tiny_model_d
     trainer = Trainer(
         TrainerConfig(lr=3e-3, warmup_steps=0, mini_batches=2, ppo_epochs=2), tiny_model_dir
     )
-    metrics = trainer.train_step(groups)
+    metrics = train_step(trainer, groups)
     first, *later = trainer.minibatch_metrics
     assert len(later) == 3
     assert first["pg_clipfrac"] == 0.0 and first["pg_clipfrac_lower"] == 0.0
@@ -65,7 +66,7 @@ def test_a_single_update_per_step_uses_its_own_forward_as_old_logprobs(
 ) -> None:
     groups = cached_groups(tiny_model_dir, 2, logprob_noise=0.3)
     trainer = Trainer(TrainerConfig(mini_batches=1, beta_kl=0.0), tiny_model_dir)
-    metrics = trainer.train_step(groups)
+    metrics = train_step(trainer, groups)
     assert metrics["ppo_kl"] == 0.0 and metrics["pg_clipfrac"] == 0.0  # ratio exactly 1
     assert 0.05 < metrics["logprob_gap"] < 1.0  # the gap to the rollout is still measured
 
@@ -74,7 +75,7 @@ def test_rollout_logprobs_as_old_report_the_gap(tiny_model_dir: Path) -> None:
     groups = cached_groups(tiny_model_dir, 2, logprob_noise=0.3)
     trainer = Trainer(TrainerConfig(recompute_old_logprobs=False, beta_kl=0.0), tiny_model_dir)
     assert trainer.ref is None  # beta 0: no reference model at all
-    metrics = trainer.train_step(groups)
+    metrics = train_step(trainer, groups)
     assert 0.05 < metrics["logprob_gap"] < 1.0
     assert abs(trainer.minibatch_metrics[0]["ppo_kl"]) > 1e-3  # old = the rollout's, not ours
     assert metrics["kl"] == 0.0
@@ -105,7 +106,7 @@ def test_micro_batches_add_up_to_the_mini_batch(
             beta_kl=0.01,
         )
         trainer = Trainer(config, tiny_model_dir)
-        metrics = trainer.train_step(groups)
+        metrics = train_step(trainer, groups)
         result.append((metrics, grads(trainer.policy)))
     (one, g_one), (many, g_many) = result
     assert one["loss"] == pytest.approx(many["loss"], rel=1e-5, abs=1e-7)
@@ -136,8 +137,8 @@ def test_span_mean_matches_its_reference_and_weighs_the_summary_up(tiny_model_di
     for mem_loss in ("shared", "span-mean"):
         config = TrainerConfig(mem_loss=mem_loss, mini_batches=1, ppo_epochs=1, beta_kl=0.0)  # type: ignore[arg-type]
         trainer = Trainer(config, tiny_model_dir)
-        batches[mem_loss] = trainer._batch(groups)
-        losses[mem_loss] = trainer.train_step(groups)["loss"]  # one update: ratio 1, loss -A
+        batches[mem_loss] = make_batch(groups, config, trainer.vocab_size)
+        losses[mem_loss] = train_step(trainer, groups)["loss"]  # one update: ratio 1, loss -A
     batch = batches["span-mean"]
     assert int(batch.mem_span_ids.max()) + 1 == sum(len(s.spans) for s in batch.sequences) > 0
     assert losses["span-mean"] == pytest.approx(span_mean_reference(batch), rel=1e-5, abs=1e-7)
@@ -161,7 +162,7 @@ def test_entropy_bonus_changes_the_gradient(tiny_model_dir: Path) -> None:
         trainer = Trainer(
             TrainerConfig(entropy_coef=coef, mini_batches=1, beta_kl=0.0), tiny_model_dir
         )
-        metrics = trainer.train_step(groups)
+        metrics = train_step(trainer, groups)
         results.append((metrics, grads(trainer.policy)))
     (plain, g0), (bonus, g1) = results
     assert plain["entropy"] == pytest.approx(bonus["entropy"], rel=1e-6)  # same weights, same data
@@ -178,7 +179,7 @@ def test_a_group_outside_the_vocabulary_is_refused(tiny_model_dir: Path) -> None
     trainer = Trainer(TrainerConfig(beta_kl=0.0), tiny_model_dir)
     before = snapshot(trainer.policy)
     with pytest.raises(ValueError, match="99999"):
-        trainer.train_step([group])
+        train_step(trainer, [group])
     assert trainer.version == 0
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
 
@@ -193,14 +194,14 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(
     trainer = Trainer(TrainerConfig(lr=1e-2, warmup_steps=0, mini_batches=2), tiny_model_dir)
     before = snapshot(trainer.policy)
     with caplog.at_level("WARNING", logger="services.learner.trainer"):
-        metrics = trainer.train_step(groups)
+        metrics = train_step(trainer, groups)
     assert "optimizer step skipped" in caplog.text
     assert metrics["skipped_steps"] == 2 and metrics["optimizer_steps"] == 0
     assert trainer.skipped_steps == 2 and trainer.optimizer_steps == 0
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
     assert all(p.grad is None for p in trainer.policy.parameters())
     assert not trainer.optimizer.state  # AdamW's moments never saw the NaN
-    metrics = trainer.train_step(cached_groups(tiny_model_dir, 2))  # good data trains again
+    metrics = train_step(trainer, cached_groups(tiny_model_dir, 2))  # good data trains again
     assert metrics["skipped_steps"] == 0 and metrics["optimizer_steps"] == 2
     after = snapshot(trainer.policy)
     assert any(not torch.equal(before[n], after[n]) for n in before)
