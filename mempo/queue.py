@@ -22,11 +22,16 @@ from typing import Any, Generic, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field, ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.arrays import dump_with_sidecar, load_with_sidecar
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
 from mempo.schemas import Group, Task
+
+# What an unreachable Redis raises: retried by every service, never fatal.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 log = logging.getLogger(__name__)
 

@@ -1,28 +1,105 @@
-"""The learner's HTTP app: /health, /ready, /metrics and GET /v1/status."""
+"""The learner service: the training loop as the app's background task, and its HTTP
+routes (/health, /ready, /metrics, GET /v1/status).
+
+The trainer loads inside the task, so ``/health`` answers at once and ``/ready`` turns
+200 once the trainer is loaded and Redis answers. Redis connection errors are retried
+with capped backoff (the step resumes from its pending groups); any other error stops
+the loop, shows in ``/v1/status`` and ``/ready``, and with ``exit_on_error`` ends the
+process so a supervisor restarts it from the latest checkpoint. Shutdown stops intake,
+lets the running step finish (up to ``drain_s``), then cancels.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 
-from mempo.api.learner import LearnerStatus
+from mempo.api.learner import LearnerStatus, LoopState
+from mempo.queue import REDIS_ERRORS, RedisQueue, connect
+from mempo.retry import Backoff
 from mempo.service import NotReady, install_common
-from services.learner.runner import LearnerRunner
+from services.learner.loop import LearnerLoop, learner_status
 from services.learner.settings import LearnerSettings
 from services.learner.telemetry import LearnerMetrics
 
-
-def get_runner(request: Request) -> LearnerRunner:
-    runner: LearnerRunner | None = getattr(request.app.state, "runner", None)
-    if runner is None:
-        raise NotReady("the learner is starting")
-    return runner
+log = logging.getLogger(__name__)
 
 
-RunnerDep = Annotated[LearnerRunner, Depends(get_runner)]
+class Training:
+    """The loop in the background: opened (the trainer loaded) inside the task, kept
+    going across Redis outages, stopped with a drain."""
+
+    def __init__(
+        self, settings: LearnerSettings, queue: RedisQueue, metrics: LearnerMetrics
+    ) -> None:
+        self.settings, self.queue, self.metrics = settings, queue, metrics
+        self.loop: LearnerLoop | None = None
+        self.state: LoopState = "starting"
+        self.error: str | None = None
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._main(), name="learner-loop")
+
+    async def _main(self) -> None:
+        try:
+            await self._train()
+        except asyncio.CancelledError:
+            self.state = "stopped"
+            raise
+        except Exception as exc:
+            log.exception("the learner loop failed")
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
+            if self.settings.exit_on_error:  # uvicorn shuts down; the supervisor restarts us
+                signal.raise_signal(signal.SIGTERM)
+
+    async def _train(self) -> None:
+        backoff = Backoff(base=0.5, cap=30.0)
+        while not self._stop.is_set():
+            try:
+                if self.loop is None:
+                    self.loop = await LearnerLoop.open(self.settings, self.queue, self.metrics)
+                else:
+                    self.loop.consumer.restart()
+                    await self.loop.catch_up()
+                backoff.reset()
+                self.state = "training"
+                await self.loop.run(self._stop)
+                break
+            except REDIS_ERRORS as exc:
+                delay = backoff.next_delay()
+                log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
+                with contextlib.suppress(TimeoutError):  # a shutdown ends the wait
+                    await asyncio.wait_for(self._stop.wait(), delay)
+        self.state = "finished" if self.loop is not None and self.loop.finished else "stopped"
+
+    async def stop(self) -> None:
+        drain_s = self.settings.drain_s
+        self._stop.set()
+        if not self._task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), drain_s)
+            except TimeoutError:
+                log.warning("the running step did not finish within %.0fs; cancelling", drain_s)
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        if self.loop is not None:
+            await self.loop.aclose()
+
+    async def ready(self) -> tuple[bool, str | None]:
+        if self.state == "failed":
+            return False, f"the learner loop failed: {self.error}"
+        if self.loop is None:
+            return False, "loading the trainer"
+        try:
+            await self.queue.redis.ping()
+        except REDIS_ERRORS as exc:
+            return False, f"Redis unreachable: {type(exc).__name__}"
+        return True, None
 
 
 def create_app(settings: LearnerSettings | None = None) -> FastAPI:
@@ -31,25 +108,45 @@ def create_app(settings: LearnerSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runner = LearnerRunner(settings, metrics)
-        app.state.runner = runner
-        runner.start()
+        redis = connect(settings.redis_url, settings.redis_password_value())
+        queue = RedisQueue(
+            redis,
+            settings.keys(),
+            consumer=settings.consumer_name,
+            claim_idle_ms=settings.claim_idle_ms,
+            max_deliveries=settings.max_deliveries,
+        )
+        app.state.training = Training(settings, queue, metrics)
         try:
             yield
         finally:
-            await runner.stop()
+            await app.state.training.stop()
+            await queue.aclose()
+            await redis.aclose()
 
     app = FastAPI(title="MemPO learner", version="1", lifespan=lifespan)
 
+    def training() -> Training:
+        running: Training | None = getattr(app.state, "training", None)
+        if running is None:
+            raise NotReady("the learner is starting")
+        return running
+
     async def ready() -> tuple[bool, str | None]:
-        runner: LearnerRunner | None = getattr(app.state, "runner", None)
-        return (False, "starting") if runner is None else await runner.ready()
+        running: Training | None = getattr(app.state, "training", None)
+        return (False, "starting") if running is None else await running.ready()
 
     install_common(app, "learner", metrics, ready, settings)
 
     @app.get("/v1/status", response_model=LearnerStatus, tags=["learner"])
-    async def status(runner: RunnerDep) -> LearnerStatus:
+    async def status() -> LearnerStatus:
         """Step, version, tasks admitted, groups consumed and dropped, the last metrics."""
-        return await runner.status()
+        running = training()
+        try:
+            return await learner_status(
+                running.queue, settings, running.loop, running.state, running.error
+            )
+        except REDIS_ERRORS as exc:
+            raise NotReady(f"Redis unreachable: {type(exc).__name__}") from exc
 
     return app

@@ -52,15 +52,24 @@ def serve_learner(
     except ValidationError as exc:
         err = exc.errors()[0]
         fail(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")
-    if follower_rank():
-        from services.learner.runner import follow
+    if follower_rank():  # torchrun rank > 0: train rank 0's batches, no Redis, no HTTP
+        from mempo.settings import configure_logging
+        from services.learner.trainer import Trainer
 
-        follow(settings)  # torchrun rank > 0: train rank 0's batches, no Redis, no HTTP
+        configure_logging(settings.log_level)
+        trainer, _ = Trainer.resume(
+            settings.trainer,
+            settings.resolved_model_path(),
+            settings.checkpoints,
+            settings.resolved_device(),
+        )
+        trainer.follow()
+        trainer.close()
         return
     learner = create_app(settings)
     serve(learner, settings)
-    runner = getattr(learner.state, "runner", None)
-    if runner is not None and runner.state == "failed":
+    training = getattr(learner.state, "training", None)
+    if training is not None and training.state == "failed":
         raise typer.Exit(1)
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mempo.api.learner import DroppedCounts, LearnerStatus, LoopState, PublishStatus
 from mempo.queue import RedisQueue
 from mempo.weights import NonFiniteWeights
 from services.learner.admission import Admission, TaskSpec, open_source
@@ -266,3 +267,45 @@ def _sharded(trainer: Any) -> bool:
         log.warning("weight_sync = broadcast: not with a sharded trainer; publishing through disk")
         return True
     return False
+
+
+async def learner_status(
+    queue: RedisQueue,
+    settings: LearnerSettings,
+    loop: LearnerLoop | None,
+    state: LoopState,
+    error: str | None,
+) -> LearnerStatus:
+    """GET /v1/status: the counters in Redis, and the loop's step, last publish and
+    metrics once it is open (before, the step and version Redis last recorded)."""
+    counts = await LearnerState(queue).counts()
+    raw = await queue.get_state()
+    in_flight = await loop.admission.in_flight(counts) if loop else counts.in_flight
+    report = loop.last_publish if loop else None
+    last = loop.last_metrics if loop else None
+    return LearnerStatus(
+        state=state,
+        step=loop.trainer.step if loop else int(raw.get("step", 0)),
+        version=loop.trainer.version if loop else int(raw.get("version", 0)),
+        admitted=counts.admitted,
+        consumed=counts.consumed,
+        dropped=DroppedCounts(
+            duplicate=counts.dropped_duplicate, stale=counts.dropped_stale, foreign=counts.foreign
+        ),
+        in_flight=max(0, in_flight),
+        capacity=settings.capacity,
+        last_publish=None
+        if report is None
+        else PublishStatus(
+            version=report.version,
+            path=report.path,
+            updated=report.updated,
+            stale=report.stale,
+            seconds=report.total_s,
+            paths=report.paths,
+        ),
+        last_metrics=None
+        if last is None
+        else {k: v for k, v in last.items() if isinstance(v, (int, float)) or v is None},
+        error=error,
+    )

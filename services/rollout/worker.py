@@ -23,14 +23,13 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import httpx
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.agent_format import Tokenizer
 from mempo.api.engine import UpdateWeightsResponse
 from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
+from mempo.queue import REDIS_ERRORS as QUEUE_REDIS_ERRORS
 from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
 from mempo.retry import Backoff, retry_async
 from mempo.schemas import Group, Task, parse_weight_version
@@ -42,7 +41,7 @@ from services.rollout.upstreams import Upstreams, context_length, load_tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_ERRORS = (*QUEUE_REDIS_ERRORS, OSError)
 
 
 class NotBooted(Exception):
