@@ -24,8 +24,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
-# --system-site-packages: a GPU base's torch stays visible (and untouched)
-RUN python3 -m venv --system-site-packages /opt/venv
+# --system-site-packages: a GPU base's torch stays visible (and untouched); a base whose
+# python3 has no ensurepip makes the venv without pip and uses its own pip
+RUN python3 -m venv --system-site-packages /opt/venv \
+ || python3 -m venv --system-site-packages --without-pip /opt/venv
 
 # ----------------------------------------------------------------- build: the packages
 FROM python AS build

@@ -31,6 +31,15 @@ case "$step" in
   app)
     python -m pip install "$@" --no-deps --force-reinstall .
     python -c "import mempo, services.retrieval.app, services.scorer.app, services.rollout.app, services.learner.app"
+    # on SGLang's image: the release our engine client is audited against (tests/contract)
+    python -c "
+import importlib.metadata as m
+from mempo.api.engine import SGLANG_VERSION as want
+try:
+    got = m.version('sglang')
+except m.PackageNotFoundError:
+    got = want
+assert got == want, f'the base image has sglang {got}, the client is audited against {want}'"
     # the shipped pretrained tiny model at a fixed path (the CPU stack's default policy)
     mkdir -p /opt/mempo
     python -c "import shutil; from mempo.tiny import PRESETS, shipped; shutil.copytree(shipped(PRESETS['reader']), '/opt/mempo/tiny')"

@@ -58,7 +58,8 @@ def test_compose_services_and_build_files() -> None:
     for name, service in services.items():
         build = service.get("build")
         if build:
-            assert (REPO / build["dockerfile"]).exists(), f"{name}: {build['dockerfile']} is missing"
+            dockerfile = (REPO / build.get("dockerfile", "Dockerfile")).read_text()
+            assert f" AS {build['target']}\n" in dockerfile, f"{name}: no target {build.get('target')}"
         if name != "volumes-init":
             assert "healthcheck" in service, name
             assert service.get("restart") == "unless-stopped", name
