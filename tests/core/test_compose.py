@@ -25,10 +25,13 @@ def compose_binary() -> Path:
     return path
 
 
-def run_config(env_file: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_config(
+    env_file: Path, *extra: str, files: tuple[str, ...] = ("docker-compose.yml",)
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPO_")}
+    chosen = [arg for name in files for arg in ("-f", str(REPO / name))]
     return subprocess.run(
-        [str(compose_binary()), "--env-file", str(env_file), "-f", str(REPO / "docker-compose.yml"), "config", *extra],
+        [str(compose_binary()), "--env-file", str(env_file), *chosen, "config", *extra],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
     )
 
@@ -173,3 +176,24 @@ def test_the_redis_start_script_serves_the_password_from_a_file(tmp_path: Path) 
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- issue 28: the CPU stack
+
+
+def test_the_cpu_overlay_runs_everything_on_cpu_from_our_own_images() -> None:
+    result = run_config(REPO / ".env.example", files=("docker-compose.yml", "docker-compose.cpu.yml"))
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert {"redis", "retrieval", "scorer", "rollout", "learner"} <= set(services)
+    for name, service in services.items():
+        assert "devices" not in json.dumps(service.get("deploy", {})), f"{name} reserves a GPU"
+        # nothing from a registry: every image is built here or reuses one built here
+        assert service["image"].startswith("mempo-"), (name, service["image"])
+        if "build" in service:
+            assert service["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim", name
+    assert services["rollout"]["deploy"]["replicas"] == 2
+    assert services["rollout"]["environment"]["ENGINE"] == "cpu"
+    assert "ulimits" not in services["rollout"] and "ipc" not in services["rollout"]
+    assert services["learner"]["environment"]["MEMPO_LEARNER_DEVICE"] == "cpu"
+    assert services["volumes-init"]["command"][-3:] == ["10001:10001", "/weights", "/runs"]

@@ -1,0 +1,233 @@
+"""The CPU compose stack, end to end in containers (run by scripts/compose-check).
+
+1. build every image (docker-compose.yml + docker-compose.cpu.yml);
+2. up, and wait until every service is healthy;
+3. train ``--steps`` steps (the learner's /v1/status);
+4. every rollout replica and the scorer reach the learner's weight version (the engine
+   registry in Redis: each entry's weight_version);
+5. scale rollout to 3 (a third replica registers) and back to 2;
+6. kill -9 a replica holding a task, and wait until that task is done by the stack;
+7. down, volumes included (unless ``--keep``).
+
+Prints one JSON line: build_s, healthy_s, steps_s (from `up` to the steps), steps, version, versions (entry id ->
+weight version), scaled_to, redone_task, redo_s, total_s, errors, ok. Exits 1 unless ok.
+Run through scripts/compose-check, which sets up Docker, the base image and the wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = "mempo-check"
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def log(message: str) -> None:
+    print(f"[compose-check] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_env(folder: Path, learner_port: int) -> Path:
+    """A .env for the check: strong random secrets, the shipped tiny model, small sizes."""
+    values = {
+        "MEMPO_REDIS_PASSWORD": secrets.token_hex(16),
+        "MEMPO_SCORER_ADMIN_TOKEN": secrets.token_hex(16),
+        "MEMPO_WORKER_ADMIN_TOKEN": secrets.token_hex(16),
+        "MEMPO_MODEL": "/opt/mempo/tiny",
+        "MEMPO_MODELS_DIR": str(folder / "models"),
+        "MEMPO_DATA_DIR": str(folder / "data"),
+        "MEMPO_BASE_IMAGE": os.environ.get("MEMPO_BASE_IMAGE", "python:3.11-slim"),
+        "MEMPO_QUESTIONS_PER_TASK": "1",
+        "MEMPO_GROUP_SIZE": "2",
+        "MEMPO_BATCH_GROUPS": "2",
+        "MEMPO_MAX_STALENESS": "1",
+        "MEMPO_MAX_ROUNDS": "2",
+        "MEMPO_MAX_NEW_TOKENS": "64",
+        "MEMPO_LR": "3e-4",
+        "MEMPO_CLAIM_IDLE_MS": "15000",
+        "MEMPO_RETRIEVAL_PORT": str(free_port()),
+        "MEMPO_LEARNER_PORT": str(learner_port),
+    }
+    for name in ("models", "data"):
+        (folder / name).mkdir(exist_ok=True)
+    env = folder / ".env"
+    env.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    return env
+
+
+class Stack:
+    def __init__(self, env: Path, learner_port: int) -> None:
+        self.env, self.learner_port = env, learner_port
+
+    def compose(self, *args: str, timeout: float = 1800, capture: bool = False) -> str:
+        command = ["docker", "compose", "-p", PROJECT, "--env-file", str(self.env),
+                   "-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", *args]  # fmt: skip
+        result = subprocess.run(
+            command, cwd=REPO, timeout=timeout, text=True,
+            stdout=subprocess.PIPE if capture else sys.stderr, stderr=subprocess.PIPE if capture else sys.stderr,
+        )  # fmt: skip
+        if result.returncode != 0:
+            detail = (result.stderr or "")[-2000:] if capture else "(output above)"
+            raise CheckFailed(f"docker compose {' '.join(args[:2])} exited {result.returncode}: {detail}")
+        return result.stdout or ""
+
+    def redis(self, *args: str) -> list[str]:
+        """redis-cli in the redis container (its REDISCLI_AUTH holds the password)."""
+        out = self.compose("exec", "-T", "redis", "redis-cli", "--no-raw", *args, capture=True, timeout=60)
+        return [line.split(") ", 1)[-1].strip().strip('"') for line in out.splitlines() if line.strip()]
+
+    def status(self) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.learner_port}/v1/status"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return dict(json.loads(reply.read()))
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """The registry: entry id -> {role, weight_version, ...}."""
+        found = {}
+        for key in self.redis("--scan", "--pattern", "mempo:engines:*"):
+            out = self.compose("exec", "-T", "redis", "redis-cli", "--raw", "GET", key, capture=True, timeout=60)
+            if out.strip():
+                entry = json.loads(out)
+                found[entry["id"]] = entry
+        return found
+
+    def pending(self) -> list[tuple[str, str]]:
+        """(task entry id, consumer) of every task claimed and not yet done."""
+        out = self.compose("exec", "-T", "redis", "redis-cli", "--raw", "XPENDING", "mempo:tasks", "rollout",
+                           "-", "+", "100", capture=True, timeout=60).split()  # fmt: skip
+        return [(out[i], out[i + 1]) for i in range(0, len(out) - 3, 4)]
+
+    def rollout_containers(self) -> list[str]:
+        return self.compose("ps", "-q", "rollout", capture=True).split()
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if (value := check()) is not None and value is not False:
+                return value
+        except (OSError, CheckFailed, ValueError, KeyError) as exc:
+            last = exc
+        time.sleep(every)
+    raise CheckFailed(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last})" if last else ""))
+
+
+def run(stack: Stack, steps: int, report: dict[str, Any]) -> None:
+    started = time.monotonic()
+    log("building the images")
+    stack.compose("build")
+    report["build_s"] = round(time.monotonic() - started, 1)
+
+    mark = time.monotonic()
+    log("starting the stack, waiting for every service to be healthy")
+    stack.compose("up", "-d", "--wait", "--wait-timeout", "900")
+    report["healthy_s"] = round(time.monotonic() - mark, 1)
+    log(f"training {steps} steps")
+
+    def trained() -> dict[str, Any] | None:
+        status = stack.status()
+        if status["state"] == "failed":
+            raise CheckFailed(f"the learner failed: {status['error']}")
+        log(f"learner: state {status['state']}, step {status['step']}, in flight {status['in_flight']}")
+        return status if status["step"] >= steps else None
+
+    status = wait_for(f"{steps} training steps", trained, timeout=1200, every=10)
+    report["steps_s"] = round(time.monotonic() - mark, 1)  # from `up`: rollouts start before all are healthy
+    report["steps"], report["version"] = status["step"], status["version"]
+
+    target = status["version"]
+    log(f"waiting for both replicas and the scorer to load version {target}")
+
+    def caught_up() -> dict[str, int] | None:
+        entries = stack.engines()
+        versions = {eid: int(e["weight_version"]) for eid, e in entries.items()}
+        roles = [e["role"] for e in entries.values()]
+        ok = roles.count("rollout") >= 2 and "scorer" in roles and min(versions.values()) >= target
+        return versions if ok else None
+
+    report["versions"] = wait_for(f"every engine at version {target}", caught_up, timeout=300, every=3)
+
+    log("scaling rollout to 3")
+    stack.compose("up", "-d", "--no-recreate", "--scale", "rollout=3", "--wait", "--wait-timeout", "600", "rollout")
+    wait_for("a third rollout replica in the registry", lambda: len(stack.rollout_containers()) == 3
+             and sum(e["role"] == "rollout" for e in stack.engines().values()) >= 3, timeout=300, every=3)  # fmt: skip
+    report["scaled_to"] = 3
+    stack.compose("up", "-d", "--no-recreate", "--scale", "rollout=2", "rollout")
+    if len(stack.rollout_containers()) != 2:
+        raise CheckFailed(f"scaling back left {len(stack.rollout_containers())} rollout replicas")
+
+    log("killing a replica that holds a task")
+    containers = {c[:12]: c for c in stack.rollout_containers()}  # the worker id is the hostname
+
+    def victim() -> tuple[str, str] | None:
+        return next(((entry, who) for entry, who in stack.pending() if who in containers), None)
+
+    entry, consumer = wait_for("a replica holding a task", victim, timeout=300, every=1)
+    subprocess.run(["docker", "kill", "--signal", "KILL", containers[consumer]], check=True, capture_output=True)
+    mark = time.monotonic()
+    log(f"killed {consumer} holding task {entry}; waiting until the task is done")
+    wait_for(f"task {entry} done", lambda: entry not in {e for e, _ in stack.pending()}, timeout=600, every=3)
+    report["redone_task"], report["redo_s"] = entry, round(time.monotonic() - mark, 1)
+    final = stack.status()
+    if final["state"] == "failed":
+        raise CheckFailed(f"the learner failed: {final['error']}")
+    report["final_step"] = final["step"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps to wait for")
+    parser.add_argument("--keep", action="store_true", help="leave the stack running")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    report: dict[str, Any] = {"errors": []}
+    started = time.monotonic()
+    folder = REPO / "runs" / "compose-check"  # the .env stays: `--keep` leaves a stack to inspect
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    stack = Stack(write_env(folder, port), port)
+    try:
+        run(stack, args.steps, report)
+    except (CheckFailed, subprocess.SubprocessError, OSError) as exc:
+        report["errors"].append(str(exc))
+        with contextlib.suppress(CheckFailed, subprocess.SubprocessError):
+            stack.compose("logs", "--tail", "30")
+    finally:
+        if not args.keep:
+            log("tearing down (volumes included)")
+            try:
+                stack.compose("down", "-v", "--remove-orphans", "--timeout", "20")
+            except (CheckFailed, subprocess.SubprocessError) as exc:
+                report["errors"].append(f"teardown: {exc}")
+    report["total_s"] = round(time.monotonic() - started, 1)
+    report["ok"] = not report["errors"]
+    print(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
