@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from mempo.agent_format import Tokenizer
 from mempo.api.engine import (
     FinishReason,
     GenerateRequest,
@@ -35,10 +36,6 @@ class ContextExceeded(ServiceError):
     """Rendered as SGLang's error body (see the engine app's handler)."""
 
     status_code = 400
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass(frozen=True)
