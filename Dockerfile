@@ -35,9 +35,11 @@ WORKDIR /src
 COPY docker/install.sh docker/
 COPY docker/wheels/ /tmp/wheels/
 COPY constraints/cpu.txt constraints/
-COPY pyproject.toml README.md ./
-# The dependencies alone (the package is still empty): cached until pyproject changes.
-RUN docker/install.sh deps
+COPY pyproject.toml ./
+# The dependencies alone (the package still empty, its readme a stand-in): cached until
+# pyproject.toml or the constraints change, whatever else does.
+RUN touch README.md && docker/install.sh deps
+COPY README.md ./
 COPY mempo ./mempo
 COPY services ./services
 RUN docker/install.sh app
