@@ -130,6 +130,22 @@ def refuse_weak_secrets(settings: BaseSettings) -> None:
         raise SystemExit(2)
 
 
+def unknown_variables(settings: BaseSettings, environ: dict[str, str] | None = None) -> list[str]:
+    """Variables with this service's prefix that name no setting (a typo, or a setting
+    renamed since), each with the closest setting's name when there is one."""
+    import difflib
+
+    prefix = str(settings.model_config.get("env_prefix", "")).upper()
+    fields = {name.upper() for name in type(settings).model_fields}
+    found = []
+    for key in sorted(environ if environ is not None else os.environ):
+        name = key[len(prefix) :].partition("__")[0] if prefix and key.startswith(prefix) else None
+        if name and name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+            found.append(f"{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+    return found
+
+
 def serve(app: Any, settings: ServiceSettings) -> None:
     """Run an ASGI app with uvicorn; SIGTERM/SIGINT shut it down gracefully (lifespan exit).
     A placeholder or short secret ends the process first (exit 2)."""
@@ -139,6 +155,8 @@ def serve(app: Any, settings: ServiceSettings) -> None:
 
     refuse_weak_secrets(settings)
     configure_logging(settings.log_level)
+    for unknown in unknown_variables(settings):
+        logging.getLogger("mempo.settings").warning("ignored: %s is not a setting", unknown)
     uvicorn.run(
         app,
         host=settings.host,

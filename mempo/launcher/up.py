@@ -101,7 +101,7 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_over(opts, "scorer", _env(
             one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
             MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=scorer_token,
-            MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_REDIS_PREFIX=prefix,
+            MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_KEY_PREFIX=prefix,
             MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0"))),
     ]
     engines, workers = [], []

@@ -6,7 +6,7 @@ The trainer loads inside the task, so ``/health`` answers at once and ``/ready``
 with capped backoff (the step resumes from its pending groups); any other error stops
 the loop, shows in ``/v1/status`` and ``/ready``, and with ``exit_on_error`` ends the
 process so a supervisor restarts it from the latest checkpoint. Shutdown stops intake,
-lets the running step finish (up to ``drain_s``), then cancels.
+lets the running step finish (up to ``drain_timeout_s``), then cancels.
 """
 
 from __future__ import annotations
@@ -78,13 +78,13 @@ class Training:
         self.state = "finished" if self.loop is not None and self.loop.finished else "stopped"
 
     async def stop(self) -> None:
-        drain_s = self.settings.drain_s
+        drain_timeout_s = self.settings.drain_timeout_s
         self._stop.set()
         if not self._task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), drain_s)
+                await asyncio.wait_for(asyncio.shield(self._task), drain_timeout_s)
             except TimeoutError:
-                log.warning("the running step did not finish within %.0fs; cancelling", drain_s)
+                log.warning("the running step did not finish within %.0fs; cancelling", drain_timeout_s)
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
         if self.loop is not None:

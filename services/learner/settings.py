@@ -126,7 +126,7 @@ class LearnerSettings(ServiceSettings):
     exit_on_error: bool = False
     """End the process when the loop fails, so a supervisor restarts it from the latest checkpoint."""
 
-    drain_s: float = Field(default=60.0, ge=0)
+    drain_timeout_s: float = Field(default=60.0, ge=0)
     """On shutdown, how long the running step may take to finish before it is cancelled."""
 
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

@@ -60,7 +60,7 @@ class Registration:
         self.url = public_url(settings)
         self.started_at = time.time()
         password = settings.redis_password.get_secret_value() if settings.redis_password else None
-        self.queue = RedisQueue(connect(settings.redis_url, password), Keys(settings.redis_prefix))
+        self.queue = RedisQueue(connect(settings.redis_url, password), Keys(settings.key_prefix))
         self.ttl_s = max(1, round(3 * settings.heartbeat_s))
         self.beats = 0
         self.problem: str | None = "not registered in Redis yet"  # None: registered

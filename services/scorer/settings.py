@@ -80,7 +80,7 @@ class ScorerSettings(ServiceSettings):
     """Redis password, kept out of redis_url (any characters; a password in the URL must be
     URL-quoted)."""
 
-    redis_prefix: str = "mempo:"
+    key_prefix: str = "mempo:"
     """Key prefix of the run in Redis."""
 
     engine_id: str | None = None

@@ -122,3 +122,20 @@ def test_inside_root(tmp_path: Path) -> None:
         inside_root("/etc", tmp_path)
     with pytest.raises(Forbidden, match="no weights root"):  # no root: every update refused
         inside_root("/etc", None)
+
+
+def test_a_variable_that_names_no_setting_is_reported_with_the_closest_name() -> None:
+    from mempo.settings import unknown_variables
+    from services.learner.settings import LearnerSettings
+
+    environ = {
+        "MEMPO_LEARNER_DRAIN_S": "5",  # renamed DRAIN_TIMEOUT_S
+        "MEMPO_LEARNER_BATCH_GROUPS": "2",
+        "MEMPO_LEARNER_TRAINER__LR": "1e-3",
+        "MEMPO_LEARNER_FROBNICATE": "1",
+        "MEMPO_SCORER_PORT": "1",  # another service's
+    }
+    assert unknown_variables(LearnerSettings(), environ) == [
+        "MEMPO_LEARNER_DRAIN_S (did you mean MEMPO_LEARNER_DRAIN_TIMEOUT_S?)",
+        "MEMPO_LEARNER_FROBNICATE",
+    ]

@@ -71,7 +71,7 @@ def start_http_stack(
             MODEL_PATH=model, RUN_DIR=run_dir / "learner", WEIGHTS_ROOT=weights, DEVICE="cpu",
             ADMIN_TOKEN=token, WORKER_ADMIN_TOKEN=token, SCORER_ADMIN_TOKEN=token, GROUP_SIZE=2,
             BATCH_GROUPS=1,
-            DRAIN_S=2)),
+            DRAIN_TIMEOUT_S=2)),
     }  # fmt: skip
     sup.wait_ready(list(second.values()), ready_timeout_s)
     return HttpStack(urls, {**first, **second}, weights, model, token)

@@ -40,7 +40,7 @@ SERVICE_ENV: dict[str, dict[str, str]] = {
         "MEMPO_ROLLOUT_HEARTBEAT_S": "1",
         "MEMPO_ROLLOUT_DRAIN_TIMEOUT_S": "5",
     },
-    "learner": {"MEMPO_LEARNER_DEVICE": "cpu", "MEMPO_LEARNER_POLL_MS": "200", "MEMPO_LEARNER_DRAIN_S": "20"},
+    "learner": {"MEMPO_LEARNER_DEVICE": "cpu", "MEMPO_LEARNER_POLL_MS": "200", "MEMPO_LEARNER_DRAIN_TIMEOUT_S": "20"},
 }
 
 

@@ -28,7 +28,7 @@ async def test_heartbeat_registers_and_catches_up(
     service, settings = _service(
         loaded,
         redis_url=redis_url,
-        redis_prefix=keys.prefix,
+        key_prefix=keys.prefix,
         engine_id="scorer-a",
         public_url="http://scorer-a:8002",
         weights_root=str(weights_root),
@@ -87,7 +87,7 @@ async def test_app_registers_while_it_runs(
     app_client: AppClient, redis_url: str, redis_client: object, keys: Keys
 ) -> None:
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
-    async with app_client(redis_url=redis_url, redis_prefix=keys.prefix, heartbeat_s=0.1):
+    async with app_client(redis_url=redis_url, key_prefix=keys.prefix, heartbeat_s=0.1):
         for _ in range(50):
             if await queue.list_engines():
                 break
