@@ -26,7 +26,7 @@ case "$step" in
     else
       cat constraints/cpu.txt >> /tmp/image.txt
     fi
-    python -m pip install "$@" -c /tmp/image.txt .
+    python -m pip install "$@" -c /tmp/image.txt ".[all]"
     ;;
   app)
     python -m pip install "$@" --no-deps --force-reinstall .
