@@ -75,6 +75,10 @@ BENCHMARKS: dict[str, list[Figure]] = {
     ],
     "learner_vs_trl": [Figure("ratio (ours / TRL tok/s)", key("ratio"), ">=", 1.5)],
     "weight_publish": [Figure("ratio (publish / copy)", key("ratio"), "<=", 2)],
+    "weights_io": [
+        Figure("write_ratio (ours / safetensors)", key("write_ratio"), "<=", 1),
+        Figure("load_ratio (ours / safetensors)", key("load_ratio"), "<=", 1),
+    ],
     "learning_curve": [
         Figure("mempo_em - sft_em", lambda lines: lines[-1]["mempo_em"] - lines[-1]["sft_em"], ">=", 0.10),
     ],
