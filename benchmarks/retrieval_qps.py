@@ -6,7 +6,10 @@ indexed once with `build_index`; batches of 64 questions, top-3. Measured in one
 - bm25_qps: the service's BM25 (mempo.bm25 over the memory-mapped saved index), Python API;
 - http_qps: the same through `POST /retrieve` of a `mempo retrieval serve` process, one
   batch at a time (http_concurrent_qps: 4 clients at once, which the service batches);
-- baseline_qps: rank-bm25 (pure Python BM25Okapi, same tokens), a few queries.
+- baseline_qps: rank-bm25 (pure Python BM25Okapi, same tokens), a few queries;
+- library_qps: bm25s's own search (``BM25.retrieve``: every document scored, then the top
+  k) on the same index and the same tokens: ``library_ratio`` = bm25_qps / library_qps
+  says whether our top-k (mempo/bm25.py) earns its place (issue 30: beat it or go).
 
 Prints one JSON line. Usage: python benchmarks/retrieval_qps.py [--passages 100000]
 (``--smoke``: seconds-scale sizes, checks it runs).
@@ -92,6 +95,15 @@ def python_qps(index: Bm25Index, batches: list[list[str]]) -> float:
     return sum(map(len, batches)) / (time.perf_counter() - started)
 
 
+def library_qps(index: Bm25Index, batches: list[list[str]]) -> float:
+    """bm25s's own retrieve on the same model, tokenising the same way as ``search``."""
+    index.model.retrieve(_tokenize(batches[0]), k=TOPK, show_progress=False)
+    started = time.perf_counter()
+    for batch in batches:
+        index.model.retrieve(_tokenize(batch), k=TOPK, show_progress=False)
+    return sum(map(len, batches)) / (time.perf_counter() - started)
+
+
 def http_qps(url: str, batches: list[list[str]], clients: int) -> float:
     async def run() -> float:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -153,6 +165,7 @@ def main() -> None:
         index = load_index(Path(tmp) / "idx", RetrievalSettings()).backend
         assert isinstance(index, Bm25Index)
         bm25 = python_qps(index, batches)
+        library = library_qps(index, batches)
         hits = index.search([q for q, _ in sample], TOPK)
         hit_at_3 = sum(row in [r for r, _ in h] for (_, row), h in zip(sample, hits, strict=True))
         proc, url = serve(Path(tmp) / "idx")
@@ -170,6 +183,8 @@ def main() -> None:
                 "http_qps": round(http, 1),
                 "baseline_qps": round(baseline, 2),
                 "ratio": round(bm25 / baseline, 1),
+                "library_qps": round(library, 1),
+                "library_ratio": round(bm25 / library, 2),
                 "http_concurrent_qps": round(http_concurrent, 1),
                 "passages": len(passages),
                 "batch": BATCH,
