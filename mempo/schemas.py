@@ -190,12 +190,14 @@ class Group(Record):
         return self
 
 
-def parse_weight_version(value: str | int | None) -> int:
-    """SGLang reports weight_version as a string ("default" before any update): map to an int."""
+def parse_weight_version(value: str | int | None) -> int | None:
+    """A reported weight version as one of the learner's policy versions: None and
+    "default" (SGLang before any update: the base weights) are 0, "12" and "v12" are 12.
+    Anything else is None: weights that are no policy version (loaded by hand), which the
+    policy pointer never replaces. The one parser of the worker, the scorer and the learner."""
     if value is None or value == "default":
         return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        digits = "".join(ch for ch in str(value) if ch.isdigit())
-        return int(digits) if digits else 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    text = str(value).strip().removeprefix("v")
+    return int(text) if text.isascii() and text.isdigit() else None

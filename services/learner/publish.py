@@ -140,7 +140,8 @@ class WeightPublisher:
         if self.broadcaster is not None:
             await self.broadcaster.resume()  # those a failed broadcast left paused: loaded now
         notified = time.perf_counter()
-        in_use = {parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors}
+        failed = [parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors]
+        in_use = {v for v in failed if v is not None}  # what the engines that failed still serve
         removed = await asyncio.to_thread(self.remove_unused, version, in_use)
         report = PublishReport(
             version=version,

@@ -50,8 +50,8 @@ class GroupRunner:
             group_id=task.group_id,
             task=task,
             trajectories=trajectories,
-            policy_version=min(
-                parse_weight_version(r.weight_version) for t in trajectories for r in t.rounds
+            policy_version=min(  # weights that are no policy version count as 0 (the oldest)
+                parse_weight_version(r.weight_version) or 0 for t in trajectories for r in t.rounds
             ),
             scorer_version=scorer_version,
             worker_id=self.worker_id,

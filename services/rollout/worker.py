@@ -267,7 +267,8 @@ class RolloutWorker:
             try:
                 info = await self.upstreams.engine.model_info()
                 episodes.engine_version = info.weight_version
-                if parse_weight_version(info.weight_version) >= policy.version:
+                current = parse_weight_version(info.weight_version)
+                if current is None or current >= policy.version:  # None: weights loaded by hand
                     return
                 log.info("engine at weights %s, policy at %d: updating", info.weight_version, policy.version)
                 reply = await self.upstreams.engine.update_weights_from_disk(policy.path, str(policy.version))

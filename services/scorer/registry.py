@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from mempo.keys import Keys
 from mempo.queue import EngineInfo, PolicyPointer, RedisQueue, connect
 from mempo.retry import Backoff
+from mempo.schemas import parse_weight_version
 from mempo.service import inside_root
 from services.scorer.scorer import ScorerService
 from services.scorer.settings import ScorerSettings
@@ -36,16 +37,10 @@ def public_url(settings: ScorerSettings) -> str:
     return (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
 
 
-def _version_number(version: str) -> int | None:
-    try:
-        return int(version.removeprefix("v"))
-    except ValueError:
-        return None
-
-
 def is_newer(pointer: PolicyPointer, version: str) -> bool:
-    """The pointer is newer than weights of ``version`` (non-numeric versions never are)."""
-    current = _version_number(version)
+    """The pointer is newer than weights of ``version`` (weights that are no policy
+    version, loaded by hand, never are: mempo.schemas.parse_weight_version)."""
+    current = parse_weight_version(version)
     return current is not None and pointer.version > current
 
 

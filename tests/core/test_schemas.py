@@ -127,6 +127,9 @@ def test_parse_weight_version() -> None:
     assert parse_weight_version("7") == 7
     assert parse_weight_version(3) == 3
     assert parse_weight_version("v12") == 12
+    # weights that are no policy version: never replaced by the pointer, nor guessed at
+    assert parse_weight_version("my-finetune-3") is None and parse_weight_version("-1") is None
+    assert parse_weight_version("١٢") is None  # digits of another script are not a version
 
 
 def test_json_schema_describes_arrays() -> None:

@@ -64,8 +64,8 @@ def test_version_comparison() -> None:
     from mempo.queue import PolicyPointer
 
     pointer = PolicyPointer(version=3, path="/w/v3")
-    assert is_newer(pointer, "2") and is_newer(pointer, "v2")
-    assert not is_newer(pointer, "3") and not is_newer(pointer, "default")
+    assert is_newer(pointer, "2") and is_newer(pointer, "v2") and is_newer(pointer, "default")
+    assert not is_newer(pointer, "3") and not is_newer(pointer, "my-finetune")
 
 
 async def test_unreachable_redis_never_stops_the_heartbeat(loaded: LoadedModel) -> None:
