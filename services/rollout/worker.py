@@ -29,6 +29,7 @@ from mempo.agent_format import Tokenizer
 from mempo.api.engine import UpdateWeightsResponse
 from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
+from mempo.membership import Membership
 from mempo.queue import REDIS_ERRORS as QUEUE_REDIS_ERRORS
 from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
 from mempo.retry import Backoff, retry_async
@@ -70,6 +71,7 @@ class RolloutWorker:
         self.consuming = False
         self.started_at = time.time()
         self._stopping = asyncio.Event()
+        self.membership: Membership | None = None  # in the registry once booted, with a queue
         self._policy_lock = asyncio.Lock()
         self._handlers: dict[str, asyncio.Task[bool]] = {}  # by task entry id
         self._background: list[asyncio.Task[None]] = []
@@ -127,7 +129,13 @@ class RolloutWorker:
         await self._boot_until_ready()
         if self.queue is None or self._stopping.is_set():
             return
-        self._background.append(asyncio.create_task(self._heartbeat(), name="rollout-heartbeat"))
+        membership = Membership(
+            self.queue, self.registry_entry, self.settings.heartbeat_s, self.settings.registry_ttl_s
+        )
+        self.membership = membership
+        # beats until stop() cancels it, after the drain: the entry outlives in-flight work
+        beating = membership.run(asyncio.Event())
+        self._background.append(asyncio.create_task(beating, name="rollout-heartbeat"))
         if self.settings.consume:
             await self.run()
 
@@ -311,15 +319,6 @@ class RolloutWorker:
             worker_url=s.own_url(),
         )
 
-    async def _heartbeat(self) -> None:
-        assert self.queue is not None
-        while True:
-            try:
-                await self.queue.register_engine(self.registry_entry(), ttl_s=self.settings.registry_ttl_s)
-            except (RedisError, OSError) as exc:
-                log.warning("registry heartbeat failed: %s", exc)
-            await asyncio.sleep(self.settings.heartbeat_s)
-
     # ----------------------------------------------------------------- shutdown and status
 
     async def stop(self) -> None:
@@ -330,9 +329,8 @@ class RolloutWorker:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(main[0]), self.settings.drain_timeout_s + 5)
         await _cancel(self._background)
-        if self.queue is not None:
-            with contextlib.suppress(*REDIS_ERRORS):
-                await self.queue.unregister_engine(self.settings.worker_id)
+        if self.membership is not None:
+            await self.membership.leave(self.settings.worker_id)
 
     async def _drain(self) -> None:
         if self._handlers:

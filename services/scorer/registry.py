@@ -1,26 +1,22 @@
 """The scorer in the engine registry: heartbeat, and catching up with the policy pointer.
 
-Every ``heartbeat_s`` the scorer registers itself (role "scorer", TTL three beats) so
-the learner publishes weights to it like to an engine (``problem`` says why it is not
-registered: the scorer's /ready is 503 until it is), and reads ``mempo:policy``:
-when the pointer is newer than its weights (a late start, a failed push) it loads that
-path itself. Redis errors are logged and retried with capped backoff; they never stop
-the scorer.
+Every ``heartbeat_s`` the scorer registers itself (role "scorer", TTL three beats;
+mempo/membership.py) so the learner publishes weights to it like to an engine
+(``problem`` says why it is not registered: the scorer's /ready is 503 until it is), and
+after each beat reads ``mempo:policy``: when the pointer is newer than its weights (a
+late start, a failed push) it loads that path itself. Redis errors never stop the scorer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
 
-from redis.exceptions import RedisError
-
 from mempo.keys import Keys
+from mempo.membership import Membership
 from mempo.queue import EngineInfo, PolicyPointer, RedisQueue, connect
-from mempo.retry import Backoff
 from mempo.schemas import parse_weight_version
 from mempo.service import inside_root
 from services.scorer.scorer import ScorerService
@@ -45,7 +41,7 @@ def is_newer(pointer: PolicyPointer, version: str) -> bool:
 
 
 class Registration:
-    """The heartbeat task of one scorer process."""
+    """The scorer's membership of the registry, and its policy catch-up after each beat."""
 
     def __init__(self, service: ScorerService, settings: ScorerSettings) -> None:
         assert settings.redis_url, "registration needs a redis_url"
@@ -56,16 +52,29 @@ class Registration:
         self.started_at = time.time()
         password = settings.redis_password.get_secret_value() if settings.redis_password else None
         self.queue = RedisQueue(connect(settings.redis_url, password), Keys(settings.key_prefix))
-        self.ttl_s = max(1, round(3 * settings.heartbeat_s))
-        self.beats = 0
-        self.problem: str | None = "not registered in Redis yet"  # None: registered
+        ttl_s = max(1, round(3 * settings.heartbeat_s))
+        self.membership = Membership(
+            self.queue, self._info, settings.heartbeat_s, ttl_s, after_beat=self.catch_up
+        )
         self._failed_version: int | None = None  # a pointer that failed to load, not retried
+
+    @property
+    def problem(self) -> str | None:
+        """Why the scorer is not registered (its /ready is 503 until it is); None once it is."""
+        return self.membership.problem
+
+    @property
+    def beats(self) -> int:
+        return self.membership.beats
 
     async def beat(self) -> None:
         """One heartbeat: register, then catch up with the policy pointer if it is newer."""
-        await self.queue.register_engine(self._info(), self.ttl_s)
-        self.beats += 1
-        self.problem = None
+        await self.membership.beat()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.membership.run(stop)
+
+    async def catch_up(self) -> None:
         pointer = await self.queue.get_policy()
         if pointer is None or not is_newer(pointer, self.service.current.version):
             return
@@ -81,7 +90,7 @@ class Registration:
                 "cannot load policy version %d from %s: %s", pointer.version, pointer.path, exc
             )
             return
-        await self.queue.register_engine(self._info(), self.ttl_s)
+        await self.membership.register()
 
     def _info(self) -> EngineInfo:
         return EngineInfo(
@@ -92,32 +101,6 @@ class Registration:
             started_at=self.started_at,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
-        backoff = Backoff(base=0.5, cap=30.0)
-        retried = False
-        while not stop.is_set():
-            try:
-                await self.beat()
-                retried = False
-                backoff.reset()
-                delay = self.settings.heartbeat_s
-            except (RedisError, OSError) as exc:
-                if self.problem is None and not retried:
-                    retried, delay = True, 0.0  # once at once: a connection Redis closed
-                else:
-                    delay = backoff.next_delay()
-                    self.problem = f"cannot register in Redis: {type(exc).__name__}: {exc}"[:300]
-                log.warning("registry heartbeat failed (%s); retrying in %.1fs", exc, delay)
-            except Exception as exc:  # never let the heartbeat die
-                delay = backoff.next_delay()
-                self.problem = f"cannot register in Redis: {type(exc).__name__}"
-                log.exception("registry heartbeat failed; retrying in %.1fs", delay)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-
     async def close(self) -> None:
-        try:
-            await self.queue.unregister_engine(self.id)
-        except (RedisError, OSError) as exc:
-            log.warning("could not unregister %s: %s", self.id, exc)
+        await self.membership.leave(self.id)
         await self.queue.redis.aclose()
