@@ -137,6 +137,16 @@ class RedisQueue:
     async def publish_task(self, task: Task) -> str:
         return str(await self.redis.xadd(self.keys.tasks, {"data": task.model_dump_json()}))
 
+    async def admit_tasks(self, tasks: list[Task], counter: str = "admitted") -> None:
+        """Publish ``tasks`` and add their number to the learner state's ``counter`` in one
+        transaction: a crash neither loses an admitted task from the count nor counts one
+        never sent."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for task in tasks:
+                pipe.xadd(self.keys.tasks, {"data": task.model_dump_json()})
+            pipe.hincrby(self.keys.learner_state, counter, len(tasks))
+            await pipe.execute()
+
     async def claim_task(self, block_ms: int | None = 1000) -> Delivery[Task] | None:
         """One task for this consumer: a reclaimed idle one first, else a new one."""
         got = await self._claim(self.keys.tasks, ROLLOUT_GROUP, Task, 1, block_ms)
@@ -339,6 +349,19 @@ class RedisQueue:
 
     async def get_state(self) -> dict[str, str]:
         return dict(await self.redis.hgetall(self.keys.learner_state))
+
+    async def add_to_state(self, **deltas: int) -> None:
+        """Add to learner state counters, all in one transaction (HINCRBY)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for name, delta in deltas.items():
+                if delta:
+                    pipe.hincrby(self.keys.learner_state, name, delta)
+            await pipe.execute()
+
+    async def state_once(self, name: str, value: str) -> str:
+        """The learner state's ``name``: ``value`` if it had none (HSETNX), else the one kept."""
+        await self.redis.hsetnx(self.keys.learner_state, name, value)
+        return str(await self.redis.hget(self.keys.learner_state, name))
 
     async def set_state(self, **fields: Any) -> None:
         if fields:

@@ -121,13 +121,7 @@ class Admission:
         if room <= 0:
             return 0
         tasks = [self.task(counts.admitted + i) for i in range(room)]
-        # One transaction: the tasks and the counter move together, so a crash can
-        # neither lose an admitted task from the count nor count one never sent.
-        async with self.queue.redis.pipeline(transaction=True) as pipe:
-            for task in tasks:
-                pipe.xadd(self.queue.keys.tasks, {"data": task.model_dump_json()})
-            pipe.hincrby(self.state.key, "admitted", room)
-            await pipe.execute()
+        await self.queue.admit_tasks(tasks, "admitted")  # tasks and counter in one transaction
         log.debug("admitted %d tasks (from index %d)", room, counts.admitted)
         return room
 

@@ -135,7 +135,7 @@ class GroupConsumer:
         return Batch(ready[: self.batch_groups])
 
     async def _dead_count(self) -> int:
-        return int(await self.queue.redis.xlen(self.queue.keys.dead))
+        return (await self.queue.stream_lengths())["dead"]
 
     async def _take(self, deliveries: list[Delivery[Group]], version: int) -> None:
         for delivery in deliveries:

@@ -45,7 +45,6 @@ class LearnerState:
 
     def __init__(self, queue: RedisQueue) -> None:
         self.queue = queue
-        self.key = queue.keys.learner_state
 
     async def counts(self) -> Counts:
         raw = await self.queue.get_state()
@@ -56,17 +55,11 @@ class LearnerState:
         unknown = set(deltas) - set(_COUNTERS)
         if unknown:
             raise ValueError(f"unknown counters {sorted(unknown)}")
-        async with self.queue.redis.pipeline(transaction=True) as pipe:
-            for name, delta in deltas.items():
-                if delta:
-                    pipe.hincrby(self.key, name, delta)
-            await pipe.execute()
+        await self.queue.add_to_state(**deltas)
 
     async def count_dropped(self, reason: DropReason, n: int = 1) -> None:
         await self.add(**{f"dropped_{reason}": n})
 
     async def run_id(self) -> str:
         """This run's id, created on first start and kept across restarts."""
-        candidate = f"run-{uuid.uuid4().hex[:12]}"
-        await self.queue.redis.hsetnx(self.key, "run_id", candidate)
-        return str(await self.queue.redis.hget(self.key, "run_id"))
+        return await self.queue.state_once("run_id", f"run-{uuid.uuid4().hex[:12]}")
