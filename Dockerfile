@@ -41,6 +41,7 @@ COPY pyproject.toml ./
 RUN touch README.md && docker/install.sh deps
 COPY README.md ./
 COPY mempo ./mempo
+COPY mempo_sim ./mempo_sim
 COPY services ./services
 RUN docker/install.sh app
 

@@ -28,10 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from mempo.bm25 import LocalSearch
-from mempo.oracle import Oracle
 from mempo.schemas import Mode, Task
-from mempo.tiny import default_cache_dir, ensure_tiny
-from mempo.world import World, WorldConfig
+from mempo_sim.oracle import Oracle
+from mempo_sim.tiny import default_cache_dir, ensure_tiny
+from mempo_sim.world import World, WorldConfig
 from services.rollout.scripted import ScriptedUpstreams
 from services.rollout.settings import WorkerSettings
 from services.rollout.worker import RolloutWorker

@@ -43,7 +43,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch
 
 from mempo.schemas import Group, Round, Task, Trajectory
-from mempo.tiny import default_cache_dir, ensure_tiny
+from mempo_sim.tiny import default_cache_dir, ensure_tiny
 
 MICRO_BATCH_ROUNDS = 8  # TRL's per-device batch; ours gets the same token budget
 

@@ -51,8 +51,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from mempo.launcher.plots import moving_average, read_metrics
 from mempo.launcher.warmstart import WarmStart, sft_command
-from mempo.pretrain import FIRST_WORLD
-from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
+from mempo_sim.pretrain import FIRST_WORLD
+from mempo_sim.tiny import PRESETS, default_cache_dir, ensure_tiny
 
 MEMPO = [sys.executable, "-m", "mempo.cli"]
 # Seed s plays in world AGENT_WORLDS + 8 s; its SFT also reads the next 7. Far from the

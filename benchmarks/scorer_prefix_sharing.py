@@ -33,9 +33,9 @@ import torch
 from mempo import agent_format as fmt
 from mempo.api.scorer import MemoryRound, MemoryTrajectory
 from mempo.bm25 import LocalSearch
-from mempo.oracle import Oracle
-from mempo.tiny import default_cache_dir, ensure_tiny
-from mempo.world import World, WorldConfig
+from mempo_sim.oracle import Oracle
+from mempo_sim.tiny import default_cache_dir, ensure_tiny
+from mempo_sim.world import World, WorldConfig
 from services.scorer.forward import score_rows
 from services.scorer.model import load_model
 from services.scorer.plan import Plan, plan_memory

@@ -39,7 +39,7 @@ import httpx
 from mempo.keys import Keys
 from mempo.procs import RedisServer, free_port, wait_ready
 from mempo.queue import EngineInfo, RedisQueue, connect
-from mempo.tiny import PRESETS, TinyConfig, default_cache_dir, ensure_tiny
+from mempo_sim.tiny import PRESETS, TinyConfig, default_cache_dir, ensure_tiny
 
 TOKEN = secrets.token_hex(16)  # the services refuse short or placeholder admin secrets
 MODELS = {

@@ -42,7 +42,7 @@ except m.PackageNotFoundError:
 assert got == want, f'the base image has sglang {got}, the client is audited against {want}'"
     # the shipped pretrained tiny model at a fixed path (the CPU stack's default policy)
     mkdir -p /opt/mempo
-    python -c "import shutil; from mempo.tiny import PRESETS, shipped; shutil.copytree(shipped(PRESETS['reader']), '/opt/mempo/tiny')"
+    python -c "import shutil; from mempo_sim.tiny import PRESETS, shipped; shutil.copytree(shipped(PRESETS['reader']), '/opt/mempo/tiny')"
     ;;
   *)
     echo "install: deps or app (got '$step')" >&2

@@ -51,13 +51,13 @@ def tiny_build(
     out: Annotated[Path | None, typer.Option(help="output folder (HF format)")] = None,
     preset: Annotated[str, typer.Option(help="test (random weights, seconds) | reader (reading drills, about 4 minutes)")] = "test",
     seed: Annotated[int, typer.Option(help="weight initialisation seed")] = 0,
-    ship: Annotated[bool, typer.Option(help="write it to mempo/assets/, where every run finds it (then commit it)")] = False,
+    ship: Annotated[bool, typer.Option(help="write it to mempo_sim/assets/, where every run finds it (then commit it)")] = False,
 ) -> None:
     """Build the tiny model and tokenizer locally (no download)."""
     import shutil
     from dataclasses import replace
 
-    from mempo.tiny import ASSETS, PRESETS, build_tiny, shipped
+    from mempo_sim.tiny import ASSETS, PRESETS, build_tiny, shipped
 
     if preset not in PRESETS:
         fail(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
@@ -83,7 +83,7 @@ def world_corpus(
     people: Annotated[int, typer.Option(min=1, help="people (with the default 46 other entities, 254 at most)")] = 80,
 ) -> None:
     """Write the world's passages as wiki-18 style jsonl."""
-    from mempo.world import World, WorldConfig
+    from mempo_sim.world import World, WorldConfig
 
     try:
         world = World.generate(WorldConfig(seed=seed, people=people))

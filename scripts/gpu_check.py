@@ -40,7 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.services.learner.factories: real rollout groups
 
-from mempo.tiny import default_cache_dir, ensure_tiny  # noqa: E402
+from mempo_sim.tiny import default_cache_dir, ensure_tiny  # noqa: E402
 
 
 def part(fn: Callable[[], dict[str, Any]], needs_gpus: int = 1) -> dict[str, Any]:

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from mempo.bm25 import LocalSearch
 from mempo.keys import Keys
 from mempo.procs import RedisServer
-from mempo.world import World, WorldConfig
+from mempo_sim.world import World, WorldConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("MEMPO_TEST_CACHE", REPO / ".cache" / "tests"))
@@ -68,7 +68,7 @@ async def redis_client(redis_url: str) -> AsyncIterator[object]:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The default tiny Qwen2 + tokenizer, built once and cached under .cache/tests."""
-    from mempo.tiny import ensure_tiny
+    from mempo_sim.tiny import ensure_tiny
 
     return ensure_tiny(CACHE)
 

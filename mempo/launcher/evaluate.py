@@ -24,7 +24,7 @@ from mempo.launcher.supervisor import Supervisor
 from mempo.procs import free_port
 from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
-from mempo.world import World, WorldConfig
+from mempo_sim.world import World, WorldConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mempo.files import atomic_dir
-from mempo.tiny import PRESETS, default_cache_dir, ensure_tiny
+from mempo_sim.tiny import PRESETS, default_cache_dir, ensure_tiny
 
 
 @dataclass(frozen=True)
 class WarmStart:
     """What ``mempo sft`` is run with; the cache key of the result."""
 
-    preset: str = "reader"  # pretrained on reading drills (mempo/pretrain.py)
+    preset: str = "reader"  # pretrained on reading drills (mempo_sim/pretrain.py)
     tasks: int = 128  # oracle tasks per world and number of questions
     worlds: int = 8  # the agent's world (train split) and the next 7
     world_seed: int = 0  # the agent's world

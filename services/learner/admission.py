@@ -24,7 +24,7 @@ from typing import Protocol
 from mempo.datasets import compose_tasks, read_questions
 from mempo.queue import RedisQueue
 from mempo.schemas import Mode, Task
-from mempo.world import Split, World, WorldConfig
+from mempo_sim.world import Split, World, WorldConfig
 from services.learner.state import Counts, LearnerState
 
 log = logging.getLogger(__name__)

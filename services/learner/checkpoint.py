@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from mempo.files import atomic_dir
-from mempo.tiny import make_world_readable
 from mempo.weights import check_finite, write_safetensors
+from mempo_sim.tiny import make_world_readable
 from services.learner.distributed import full_model_state, full_optimizer_state, load_full_state
 
 if TYPE_CHECKING:

@@ -104,7 +104,7 @@ def sft(
 
     from mempo.cli import fail
     from mempo.settings import configure_logging, quiet_hub
-    from mempo.tiny import default_cache_dir, ensure_tiny
+    from mempo_sim.tiny import default_cache_dir, ensure_tiny
     from services.learner.settings import parse_ks
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
 

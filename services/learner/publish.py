@@ -38,8 +38,8 @@ from mempo.clients.engine import EngineClient, EngineError
 from mempo.files import atomic_dir
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
-from mempo.tiny import make_world_readable
 from mempo.weights import check_finite, map_safetensors, non_finite
+from mempo_sim.tiny import make_world_readable
 from services.learner.broadcast import WeightBroadcaster
 
 log = logging.getLogger(__name__)

@@ -174,7 +174,7 @@ class LearnerSettings(ServiceSettings):
     def resolved_model_path(self) -> str:
         if self.model_path:
             return self.model_path
-        from mempo.tiny import default_cache_dir, ensure_tiny
+        from mempo_sim.tiny import default_cache_dir, ensure_tiny
 
         return str(ensure_tiny(default_cache_dir()))
 

@@ -150,8 +150,8 @@ def oracle_sequences(
     ``world_seed + 1``, ...). Several worlds give the same skills with different facts:
     a policy cannot memorise them and must learn to search, read and copy."""
     from mempo.bm25 import LocalSearch
-    from mempo.oracle import Oracle
-    from mempo.world import World, WorldConfig
+    from mempo_sim.oracle import Oracle
+    from mempo_sim.world import World, WorldConfig
 
     modes = ["memory", "full"] if mode == "both" else [mode]
     ks = [k] if isinstance(k, int) else list(k)
@@ -254,7 +254,7 @@ def train_sft(
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
     from transformers import AutoModelForCausalLM
 
-    from mempo.pretrain import cosine_schedule
+    from mempo_sim.pretrain import cosine_schedule
     from services.learner.trainer import seed_everything
 
     if not sequences:

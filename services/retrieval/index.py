@@ -249,7 +249,7 @@ def _combine(
 
 def embedded_index(settings: RetrievalSettings) -> LoadedIndex:
     """Index the built-in synthetic world's passages in memory (no files, no set-up)."""
-    from mempo.world import World, WorldConfig
+    from mempo_sim.world import World, WorldConfig
 
     started = time.perf_counter()
     passages = World.generate(WorldConfig(seed=settings.world_seed)).passages

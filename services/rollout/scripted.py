@@ -6,7 +6,7 @@ appended when no stop string ended the text, ``max_new_tokens`` truncates with
 ``{"type": "length"}``), with fake log-probs. ``ScriptedUpstreams`` serves the routes the
 worker calls (engine, retrieval, scorer) as one ``httpx.MockTransport`` handler, so the
 worker's real clients run against it with zero network latency; the script is usually
-the world's oracle (mempo/oracle.py) reading the decoded prompt.
+the world's oracle (mempo_sim/oracle.py) reading the decoded prompt.
 """
 
 from __future__ import annotations

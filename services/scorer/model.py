@@ -73,7 +73,7 @@ def load_model(path: str | Path, version: str, device: str = "auto") -> LoadedMo
 
 def load_initial(model_path: str | None, version: str, device: str = "auto") -> LoadedModel:
     """The configured model, or the tiny one (built locally once) when none is set."""
-    from mempo.tiny import default_cache_dir, ensure_tiny
+    from mempo_sim.tiny import default_cache_dir, ensure_tiny
 
     return load_model(model_path or ensure_tiny(default_cache_dir()), version, device)
 

@@ -13,7 +13,7 @@ from mempo.launcher.evaluate import EvalOptions, eval_tasks
 from mempo.launcher.heldout import HELDOUT, HeldOut, cached_heldout_score, heldout_key
 from mempo.launcher.plots import moving_average, plot_run
 from mempo.launcher.progress import AVERAGE, Progress, Snapshot
-from mempo.world import World
+from mempo_sim.world import World
 
 
 def test_every_held_out_question_once(world: World) -> None:

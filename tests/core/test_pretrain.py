@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from mempo.pretrain import (
+from mempo_sim.pretrain import (
     FIRST_WORLD,
     answer_weights,
     cosine_schedule,

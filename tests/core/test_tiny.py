@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mempo.agent_format import DEFAULT_TAGS
-from mempo.tiny import TinyConfig, training_texts
+from mempo_sim.tiny import TinyConfig, training_texts
 
 
 def test_ids_survive_reload(tiny_model_dir: Path, tokenizer: Any) -> None:
@@ -44,7 +44,7 @@ def test_model_loads_and_files_are_readable(tiny_model_dir: Path) -> None:
 def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path) -> None:
     from safetensors.torch import load_file
 
-    from mempo.tiny import build_tiny
+    from mempo_sim.tiny import build_tiny
 
     again = build_tiny(tmp_path / "again", TinyConfig())
     assert (again / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
@@ -59,7 +59,7 @@ def test_cache_key_is_the_same_in_every_process() -> None:
     import subprocess
     import sys
 
-    code = "from mempo.tiny import PRESETS; print(PRESETS['test'].key())"
+    code = "from mempo_sim.tiny import PRESETS; print(PRESETS['test'].key())"
     keys = {
         subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                        capture_output=True, text=True, check=True).stdout.strip()
@@ -69,7 +69,7 @@ def test_cache_key_is_the_same_in_every_process() -> None:
 
 
 def test_every_pool_name_is_one_token_after_a_reload(tokenizer: Any) -> None:
-    from mempo.lexicon import NAMES
+    from mempo_sim.lexicon import NAMES
 
     for name in NAMES:
         assert len(tokenizer.encode(f" {name}", add_special_tokens=False)) == 1, name
@@ -81,8 +81,8 @@ def test_every_mention_of_a_name_is_the_same_token(tokenizer: Any, world: Any, l
     import re
 
     from mempo.agent_format import first_prompt_ids, format_documents
-    from mempo.lexicon import NAMES
-    from mempo.oracle import Oracle
+    from mempo_sim.lexicon import NAMES
+    from mempo_sim.oracle import Oracle
 
     token_of = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(f" {n}"))[0]: n for n in NAMES}
     mention = re.compile(r"\b(" + "|".join(NAMES) + r")\b")
@@ -99,7 +99,7 @@ def test_every_mention_of_a_name_is_the_same_token(tokenizer: Any, world: Any, l
 def test_name_check_refuses_a_tokenizer_that_splits_names() -> None:
     import pytest
 
-    from mempo.tiny import build_tokenizer, check_name_tokens
+    from mempo_sim.tiny import build_tokenizer, check_name_tokens
 
     with pytest.raises(RuntimeError, match="not one token"):
         check_name_tokens(build_tokenizer(["no names here"], 300))
@@ -114,8 +114,8 @@ def test_vocabulary_covers_the_learner_tests_random_ids(tokenizer: Any) -> None:
 def test_the_reader_is_shipped_for_the_current_recipe(tmp_path: Path) -> None:
     """The pretrained policy base takes minutes to build: every run must find it shipped.
     A change to the world, the oracle's texts or the recipe changes its key; then rebuild
-    it with `mempo tiny build --preset reader --ship` and commit mempo/assets/."""
-    from mempo.tiny import ASSETS, PRESETS, ensure_tiny, shipped
+    it with `mempo tiny build --preset reader --ship` and commit mempo_sim/assets/."""
+    from mempo_sim.tiny import ASSETS, PRESETS, ensure_tiny, shipped
 
     reader = shipped(PRESETS["reader"])
     assert (reader / "model.safetensors").is_file(), "run: mempo tiny build --preset reader --ship"

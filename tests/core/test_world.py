@@ -8,9 +8,9 @@ import pytest
 
 from mempo.agent_format import format_documents, parse_response
 from mempo.bm25 import LocalSearch
-from mempo.oracle import Oracle
 from mempo.rewards import is_correct
-from mempo.world import RELATIONS, World, WorldConfig
+from mempo_sim.oracle import Oracle
+from mempo_sim.world import RELATIONS, World, WorldConfig
 
 
 def test_same_seed_same_world() -> None:
@@ -28,7 +28,7 @@ def test_corpus_is_wiki18_style(world: World) -> None:
 
 
 def test_name_pool_is_fixed_and_of_single_words() -> None:
-    from mempo.lexicon import COMMON_WORDS, NAME_POOL_SIZE, NAMES, SYLLABLES, _name_pool
+    from mempo_sim.lexicon import COMMON_WORDS, NAME_POOL_SIZE, NAMES, SYLLABLES, _name_pool
 
     assert len(NAMES) == len(set(NAMES)) == NAME_POOL_SIZE == 300
     assert _name_pool() == NAMES  # deterministic: the same on every machine
@@ -40,7 +40,7 @@ def test_name_pool_is_fixed_and_of_single_words() -> None:
 
 
 def test_every_entity_is_one_pool_name_shared_across_worlds() -> None:
-    from mempo.lexicon import NAMES
+    from mempo_sim.lexicon import NAMES
 
     a, b = World.generate(WorldConfig(seed=0)), World.generate(WorldConfig(seed=1))
     for w in (a, b):

@@ -14,7 +14,7 @@ import pytest
 
 from mempo.procs import free_port, wait_ready
 from mempo.schemas import Group, Task
-from mempo.world import World
+from mempo_sim.world import World
 from services.rollout.engine.inprocess import EngineThread
 from tests.conftest import REPO
 from tests.services.rollout.test_engine_support import ADMIN, engine_settings

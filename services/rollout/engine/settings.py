@@ -76,6 +76,6 @@ class EngineSettings(ServiceSettings):
     def resolved_model_path(self) -> Path:
         if self.model_path:
             return Path(self.model_path).expanduser().resolve()
-        from mempo.tiny import default_cache_dir, ensure_tiny
+        from mempo_sim.tiny import default_cache_dir, ensure_tiny
 
         return ensure_tiny(default_cache_dir())

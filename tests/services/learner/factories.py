@@ -19,9 +19,9 @@ import torch
 
 from mempo.agent_format import format_documents, mem_token_span, parse_response
 from mempo.bm25 import LocalSearch
-from mempo.oracle import Oracle
 from mempo.schemas import Group, Mode, Round, Task, Trajectory
-from mempo.world import World
+from mempo_sim.oracle import Oracle
+from mempo_sim.world import World
 from services.learner.sft import oracle_rounds
 
 
@@ -147,7 +147,7 @@ def rollout_groups(
 def _environment(model_dir: str) -> tuple[Any, World, LocalSearch]:
     from transformers import AutoTokenizer
 
-    from mempo.world import WorldConfig
+    from mempo_sim.world import WorldConfig
 
     world = World.generate(WorldConfig(seed=0))
     return AutoTokenizer.from_pretrained(model_dir), world, LocalSearch(world.passages)

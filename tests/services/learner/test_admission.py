@@ -10,7 +10,7 @@ import pytest
 from mempo.keys import Keys
 from mempo.queue import RedisQueue
 from mempo.schemas import Task
-from mempo.world import World
+from mempo_sim.world import World
 from services.learner.admission import Admission, FileTasks, TaskSpec, WorldTasks
 from services.learner.consumer import GroupConsumer
 from services.learner.state import LearnerState

@@ -19,8 +19,8 @@ from mempo.agent_format import (
     parse_response,
 )
 from mempo.bm25 import LocalSearch
-from mempo.oracle import Oracle
-from mempo.world import World
+from mempo_sim.oracle import Oracle
+from mempo_sim.world import World
 from services.learner.batch import TrainingBatch
 from services.learner.packing import forward_logprobs, micro_batches
 from services.learner.sft import (

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mempo.world import World
+from mempo_sim.world import World
 from services.retrieval.app import create_app
 from services.retrieval.settings import RetrievalSettings
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mempo.agent_format import format_documents, information_block
 from mempo.clients.retrieval import RetrievalClient, RetrievalError
-from mempo.world import World
+from mempo_sim.world import World
 from services.retrieval.app import create_app
 from services.retrieval.settings import RetrievalSettings
 from tests.services.retrieval.conftest import Serve

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mempo.bm25 import TERM_MAX_FILE, Bm25Index, LocalSearch, _tokenize
-from mempo.world import World, WorldConfig
+from mempo_sim.world import World, WorldConfig
 
 
 @pytest.fixture(scope="module")

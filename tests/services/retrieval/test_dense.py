@@ -9,7 +9,7 @@ import faiss
 import numpy as np
 import pytest
 
-from mempo.world import World
+from mempo_sim.world import World
 from services.retrieval.backends import HybridIndex, reciprocal_rank_fusion
 from services.retrieval.dense import DenseIndex, Encoder, is_e5
 from services.retrieval.index import Manifest, build_index, load_index

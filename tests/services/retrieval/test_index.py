@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mempo.bm25 import Bm25Index
-from mempo.world import World
+from mempo_sim.world import World
 from services.retrieval.cli import app as cli
 from services.retrieval.index import BadIndex, Manifest, build_index, load_index, open_index
 from services.retrieval.settings import RetrievalSettings

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mempo.procs import free_port, wait_ready
-from mempo.world import World
+from mempo_sim.world import World
 
 REPO = Path(__file__).resolve().parents[3]
 

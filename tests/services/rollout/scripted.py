@@ -28,9 +28,9 @@ from mempo.bm25 import LocalSearch
 from mempo.clients.engine import EngineClient
 from mempo.clients.retrieval import RetrievalClient
 from mempo.clients.scorer import ScorerClient
-from mempo.oracle import Oracle
 from mempo.queue import RedisQueue
-from mempo.world import World
+from mempo_sim.oracle import Oracle
+from mempo_sim.world import World
 from services.rollout.scripted import Script, scripted_reply
 from services.rollout.settings import WorkerSettings
 from services.rollout.upstreams import Upstreams

@@ -25,7 +25,7 @@ from mempo.bm25 import LocalSearch
 from mempo.clients.engine import EngineClient
 from mempo.clients.retrieval import RetrievalClient
 from mempo.procs import RedisServer, free_port
-from mempo.world import World
+from mempo_sim.world import World
 from services.rollout.app import create_app
 from services.rollout.upstreams import Upstreams
 from tests.services.rollout.scripted import ScriptedEngine, asgi_client, upstreams, worker_settings

@@ -14,7 +14,7 @@ from mempo.bm25 import LocalSearch
 from mempo.keys import Keys
 from mempo.queue import RedisQueue
 from mempo.schemas import Group, Task
-from mempo.world import World
+from mempo_sim.world import World
 from services.rollout.app import create_app
 from services.rollout.settings import WorkerSettings
 from services.rollout.upstreams import Upstreams

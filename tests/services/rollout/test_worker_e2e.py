@@ -23,7 +23,7 @@ from mempo.keys import Keys
 from mempo.procs import free_port, wait_ready
 from mempo.queue import RedisQueue
 from mempo.schemas import Task
-from mempo.world import World
+from mempo_sim.world import World
 from tests.services.rollout.scripted import ScriptedEngine, ScriptedScorer, retrieval_app
 
 pytestmark = pytest.mark.e2e

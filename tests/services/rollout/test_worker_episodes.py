@@ -10,7 +10,7 @@ import pytest
 from mempo.bm25 import LocalSearch
 from mempo.clients.engine import Generation
 from mempo.schemas import Group, Task
-from mempo.world import World
+from mempo_sim.world import World
 from services.rollout.episode import EpisodeConfig, EpisodeRunner
 from services.rollout.scripted import fake_logprob
 from tests.services.rollout.scripted import (

@@ -20,7 +20,7 @@ from mempo.clients.scorer import ScorerClient
 from mempo.keys import Keys
 from mempo.queue import RedisQueue
 from mempo.schemas import Group, Task
-from mempo.world import World
+from mempo_sim.world import World
 from services.retrieval.app import create_app as create_retrieval
 from services.retrieval.settings import RetrievalSettings
 from services.rollout.app import create_app as create_worker

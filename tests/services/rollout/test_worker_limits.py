@@ -14,7 +14,7 @@ import uvicorn
 
 from mempo.bm25 import LocalSearch
 from mempo.procs import free_port
-from mempo.world import World
+from mempo_sim.world import World
 from services.rollout.app import create_app
 from tests.services.rollout.scripted import ScriptedEngine, upstreams, worker_settings
 from tests.services.rollout.test_worker_app import one_task, serving, wait_ready

@@ -12,7 +12,7 @@ from mempo.keys import ROLLOUT_GROUP, Keys
 from mempo.procs import free_port
 from mempo.queue import RedisQueue, connect
 from mempo.schemas import Group, Task
-from mempo.world import World
+from mempo_sim.world import World
 from tests.services.rollout.scripted import ScriptedEngine, ScriptedScorer, booted_worker
 
 

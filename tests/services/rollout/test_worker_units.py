@@ -9,9 +9,9 @@ import pytest
 
 from mempo.bm25 import LocalSearch
 from mempo.clients.engine import EngineClient
-from mempo.oracle import Oracle
 from mempo.schemas import Task
-from mempo.world import World
+from mempo_sim.oracle import Oracle
+from mempo_sim.world import World
 from services.rollout.scripted import ScriptedUpstreams
 from services.rollout.settings import WorkerSettings
 from services.rollout.upstreams import FALLBACK_CONTEXT, Upstreams, context_length

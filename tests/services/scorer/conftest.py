@@ -15,7 +15,7 @@ import torch
 
 from mempo import agent_format as fmt
 from mempo.api.scorer import MemoryRound, MemoryTrajectory
-from mempo.world import World
+from mempo_sim.world import World
 from services.scorer.app import create_app
 from services.scorer.model import LoadedModel, load_model
 from services.scorer.settings import ScorerSettings

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mempo.api.scorer import MemoryScoresResponse, ScoreResponse
-from mempo.world import World
+from mempo_sim.world import World
 
 from .conftest import AppClient, random_trajectory
 

@@ -10,7 +10,7 @@ import torch
 
 from mempo import agent_format as fmt
 from mempo.api.scorer import ChatMessage, ScoreItem
-from mempo.world import World
+from mempo_sim.world import World
 from services.scorer.forward import (
     MIN_FILL,
     _passes,

@@ -1,8 +1,8 @@
-"""The words the synthetic world (mempo/world.py) is written with.
+"""The words the synthetic world (mempo_sim/world.py) is written with.
 
 Every entity is one word of ``NAMES``: a fixed pool of invented two-syllable names,
 shared by every world (each world draws its entities from it without replacement). The
-tiny model's tokenizer (mempo/tiny.py) makes each pool name one token, so a name token
+tiny model's tokenizer (mempo_sim/tiny.py) makes each pool name one token, so a name token
 is trained in many worlds with different facts, a held-out entity is written with
 trained tokens, and reading an answer out of a search result is copying one token. The
 rest is the vocabulary of professions, organisations and background sentences.

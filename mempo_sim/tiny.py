@@ -47,7 +47,7 @@ class TinyConfig:
     max_positions: int = 8192
     seed: int = 0
     world_seed: int = 0
-    pretrain_steps: int = 0  # reading-drill pretraining (mempo/pretrain.py); 0: random weights
+    pretrain_steps: int = 0  # reading-drill pretraining (mempo_sim/pretrain.py); 0: random weights
     pretrain_worlds: int = 32
 
     def key(self, texts: list[str] | None = None) -> str:
@@ -65,7 +65,7 @@ PRESETS: dict[str, TinyConfig] = {
     # Random weights: the tests' model (built in seconds).
     "test": TinyConfig(),
     # The demo's and the learning proof's base: the same network after 1,200 steps of
-    # reading drills (mempo/pretrain.py, about 4 minutes on 2 cores; docs/results.md).
+    # reading drills (mempo_sim/pretrain.py, about 4 minutes on 2 cores; docs/results.md).
     "reader": TinyConfig(pretrain_steps=1200),
 }
 
@@ -74,8 +74,8 @@ def training_texts(world_seed: int = 0) -> list[str]:
     """Text the tokenizer learns from: the world's search results, questions and oracle
     rounds, and the name inventory that makes every pool name one token."""
     from mempo.agent_format import INSTRUCTIONS, format_documents
-    from mempo.oracle import Oracle
-    from mempo.world import World, WorldConfig
+    from mempo_sim.oracle import Oracle
+    from mempo_sim.world import World, WorldConfig
 
     world = World.generate(WorldConfig(seed=world_seed))
     by_title = {p["contents"].split("\n", 1)[0]: p for p in world.passages}
@@ -106,14 +106,14 @@ def training_texts(world_seed: int = 0) -> list[str]:
 def _name_inventory(repeats: int = 200) -> str:
     """Every pool name, space first as the world always writes it, often enough that BPE
     merges each into one token before it spends merges on rarer English."""
-    from mempo.lexicon import NAMES
+    from mempo_sim.lexicon import NAMES
 
     return "".join(f" {name}" for name in NAMES) * repeats
 
 
 def check_name_tokens(tokenizer: Any) -> None:
     """Every pool name, as written (after a space), must be exactly one token."""
-    from mempo.lexicon import NAMES
+    from mempo_sim.lexicon import NAMES
 
     split = [n for n in NAMES if len(tokenizer.encode(f" {n}", add_special_tokens=False)) != 1]
     if split:
@@ -198,7 +198,7 @@ def build_tiny(out_dir: str | Path, config: TinyConfig | None = None, texts: lis
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
     if config.pretrain_steps:
-        from mempo.pretrain import drill_accuracy, drill_texts, pretrain, probe_drills
+        from mempo_sim.pretrain import drill_accuracy, drill_texts, pretrain, probe_drills
 
         log.info("pretraining the tiny model: %d steps of reading drills", config.pretrain_steps)
         probe = probe_drills(config.world_seed, count=50)

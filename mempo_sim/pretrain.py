@@ -7,7 +7,7 @@ from pretrained LMs; this gives the tiny one a start of that kind, on worlds oth
 the agent's (seeds from ``FIRST_WORLD``). A drill is in the agent's order (``Question:
 q``, the top-3 search result for its subject, ``Answer: a``), or a search result for a
 random entity followed by every 1-hop question about its passages with their answers. Every name is one
-token (mempo/lexicon.py), so answering a drill is one copy. The loss is the language
+token (mempo_sim/lexicon.py), so answering a drill is one copy. The loss is the language
 model's on all of it, with each answer weighted 10 times (``answer_weights``): unweighted,
 the tiny model learns to copy names in ~300 steps but not which name a question asks
 for. The answer accuracy on drills of the agent's own world (``drill_accuracy``) is
@@ -45,7 +45,7 @@ def cosine_schedule(warmup_steps: int, steps: int, final_ratio: float) -> Callab
 def drill_texts(worlds: int, drills_per_world: int = 400, seed: int = 0) -> list[str]:
     """Reading drills of ``worlds`` worlds (seeds ``FIRST_WORLD``, +1, ...), shuffled."""
     from mempo.bm25 import LocalSearch
-    from mempo.world import World, WorldConfig
+    from mempo_sim.world import World, WorldConfig
 
     rng = random.Random(seed)
     texts: list[str] = []
@@ -87,7 +87,7 @@ def probe_drills(world_seed: int = 0, count: int = 100, seed: int = 0) -> list[s
     """``count`` drills in the agent's order from world ``world_seed`` (the agent's own
     world by default: pretraining never sees it), for ``drill_accuracy``."""
     from mempo.bm25 import LocalSearch
-    from mempo.world import World, WorldConfig
+    from mempo_sim.world import World, WorldConfig
 
     world = World.generate(WorldConfig(seed=world_seed))
     search, rng = LocalSearch(world.passages), random.Random(seed)

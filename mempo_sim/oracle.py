@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mempo.agent_format import ANSWER_SEPARATOR, ANSWER_THINK, DEFAULT_TAGS, Tags, join_questions
-from mempo.world import RELATIONS, Question, World
+from mempo_sim.world import RELATIONS, Question, World
 
 UNKNOWN = "unknown"
 _SEARCH_ATTEMPTS = 2

@@ -1,13 +1,13 @@
 """A synthetic multi-hop QA world, generated deterministically from a seed.
 
 Fictional people, cities, countries and organisations, each named by one word of the
-shared name pool (mempo/lexicon.py); one wiki-18 style passage per entity
+shared name pool (mempo_sim/lexicon.py); one wiki-18 style passage per entity
 (``{"id", "contents": "Title\\nbody"}``, the title unquoted so that every mention of a
 name is the same token); 1-hop and 2-hop questions whose answers are other entities'
 names (years only with ``WorldConfig.year_questions``), so an agent cannot guess them
 and must search; k-question tasks that force it to remember earlier findings; a
 train/test split by subject entity (no question is shared); and an oracle policy
-(mempo/oracle.py) that writes the ideal rounds given what retrieval returns.
+(mempo_sim/oracle.py) that writes the ideal rounds given what retrieval returns.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from mempo.lexicon import BACKGROUND, FILL, NAMES, ORG_KINDS, PROFESSIONS
+from mempo_sim.lexicon import BACKGROUND, FILL, NAMES, ORG_KINDS, PROFESSIONS
 
 Split = Literal["train", "test"]
 
