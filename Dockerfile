@@ -42,6 +42,7 @@ RUN touch README.md && docker/install.sh deps
 COPY README.md ./
 COPY mempo ./mempo
 COPY mempo_sim ./mempo_sim
+COPY mempo_cli ./mempo_cli
 COPY services ./services
 RUN docker/install.sh app
 

@@ -3,7 +3,7 @@
 For each seed s of ``--seed-base`` .. ``--seed-base + --seeds - 1``, through the real
 commands and services:
 
-1. SFT warm start (``mempo sft``, the demo's recipe, mempo.launcher.warmstart) of the
+1. SFT warm start (``mempo sft``, the demo's recipe, mempo_cli.launcher.warmstart) of the
    tiny ``reader`` policy on oracle trajectories of the seed's 8 worlds (the agent's
    world ``AGENT_WORLDS + 8 s`` and the next 7; train split only; ``--sft-mode both``:
    memory and full mode, so full-mode tokens compare like with like); data order seed s;
@@ -49,12 +49,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from mempo.launcher.plots import moving_average, read_metrics
-from mempo.launcher.warmstart import WarmStart, sft_command
+from mempo_cli.launcher.plots import moving_average, read_metrics
+from mempo_cli.launcher.warmstart import WarmStart, sft_command
 from mempo_sim.pretrain import FIRST_WORLD
 from mempo_sim.tiny import PRESETS, default_cache_dir, ensure_tiny
 
-MEMPO = [sys.executable, "-m", "mempo.cli"]
+MEMPO = [sys.executable, "-m", "mempo_cli"]
 # Seed s plays in world AGENT_WORLDS + 8 s; its SFT also reads the next 7. Far from the
 # pretraining worlds (FIRST_WORLD, +1, ...: the reader has read their facts).
 AGENT_WORLDS = 100_000

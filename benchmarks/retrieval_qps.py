@@ -138,7 +138,7 @@ def baseline_qps(passages: list[dict[str, str]], queries: list[str]) -> float:
 def serve(index_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MEMPO_RETRIEVAL_LOG_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "mempo.cli", "retrieval", "serve", "--index", str(index_dir)]
+    command = [sys.executable, "-m", "mempo_cli", "retrieval", "serve", "--index", str(index_dir)]
     proc = subprocess.Popen([*command, "--port", str(port)], cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, timeout_s=120, proc=proc)

@@ -59,7 +59,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     handle = log.open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "mempo.cli", *args],
+        [sys.executable, "-m", "mempo_cli", *args],
         env={**os.environ, **ONE_THREAD, **env},
         stdout=handle,
         stderr=subprocess.STDOUT,

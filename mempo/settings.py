@@ -50,6 +50,12 @@ class ServiceSettings(BaseSettings):
         return self.admin_token.get_secret_value() if self.admin_token else None
 
 
+def fail(message: str) -> None:
+    """A command line's bad input: exit 2 with a message on stderr, never a stack trace."""
+    sys.stderr.write(f"error: {message}\n")
+    raise SystemExit(2)
+
+
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),

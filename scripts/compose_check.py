@@ -180,14 +180,21 @@ def run(stack: Stack, steps: int, report: dict[str, Any]) -> None:
         raise CheckFailed(f"scaling back left {len(stack.rollout_containers())} rollout replicas")
 
     log("killing a replica that holds a task")
-    containers = {c[:12]: c for c in stack.rollout_containers()}  # the worker id is the hostname
+    for _attempt in range(5):
+        containers = {c[:12]: c for c in stack.rollout_containers()}  # the worker id is the hostname
 
-    def victim() -> tuple[str, str] | None:
-        return next(((entry, who) for entry, who in stack.pending() if who in containers), None)
+        def victim(live: dict[str, str] = containers) -> tuple[str, str] | None:
+            return next(((entry, who) for entry, who in stack.pending() if who in live), None)
 
-    entry, consumer = wait_for("a replica holding a task", victim, timeout=300, every=1)
-    subprocess.run(["docker", "kill", "--signal", "KILL", containers[consumer]], check=True, capture_output=True)
-    mark = time.monotonic()
+        entry, consumer = wait_for("a replica holding a task", victim, timeout=300, every=1)
+        subprocess.run(["docker", "kill", "--signal", "KILL", containers[consumer]], check=True, capture_output=True)
+        mark = time.monotonic()
+        # the task must still be the dead replica's: one it acked before the kill landed proves nothing
+        if (entry, consumer) in stack.pending():
+            break
+        log(f"{consumer} finished task {entry} before the kill landed; another one")
+    else:
+        raise CheckFailed("no replica could be killed while it held a task")
     log(f"killed {consumer} holding task {entry}; waiting until the task is done")
     wait_for(f"task {entry} done", lambda: entry not in {e for e, _ in stack.pending()}, timeout=600, every=3)
     report["redone_task"], report["redo_s"] = entry, round(time.monotonic() - mark, 1)

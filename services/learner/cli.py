@@ -32,8 +32,7 @@ def serve_learner(
     torchrun (WORLD_SIZE > 1) rank 0 serves and drives the loop; the other ranks follow."""
     from pydantic import ValidationError
 
-    from mempo.cli import fail
-    from mempo.settings import quiet_hub, serve
+    from mempo.settings import fail, quiet_hub, serve
     from services.learner.app import create_app
     from services.learner.settings import LearnerSettings
 
@@ -102,8 +101,7 @@ def sft(
     from pydantic import ValidationError
     from transformers import AutoTokenizer
 
-    from mempo.cli import fail
-    from mempo.settings import configure_logging, quiet_hub
+    from mempo.settings import configure_logging, fail, quiet_hub
     from mempo_sim.tiny import default_cache_dir, ensure_tiny
     from services.learner.settings import parse_ks
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from mempo.cli import fail
+from mempo.settings import fail
 
 if TYPE_CHECKING:
     from services.retrieval.dense import IndexKind

@@ -43,8 +43,8 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path: Path) -> None:
     for phase in ("sft", "eval-sft", "mempo-done", "eval-mempo", "grpo-done", "eval-grpo"):
         assert (seed / phase / "done.json").exists(), phase
     assert (seed / "mempo" / "metrics.jsonl").exists() and (tmp_path / "curves.png").stat().st_size > 0
-    assert "mempo.cli up " in log  # the RL phase ran through `mempo up`
+    assert "mempo_cli up " in log  # the RL phase ran through `mempo up`
 
     again, log = _run(tmp_path)  # every phase done: nothing runs again
     assert again["per_seed"] == summary["per_seed"]
-    assert "mempo.cli" not in log
+    assert "mempo_cli" not in log

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mempo.cli import app
-from mempo.launcher.plots import PANELS
+from mempo_cli.launcher.plots import PANELS
+from mempo_cli.main import app
 
 runner = CliRunner()
 

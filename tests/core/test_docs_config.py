@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 from typer.testing import CliRunner
 
-from mempo import docs_config
-from mempo.docs_config import OTHER_VARIABLES, SECTIONS, SHARED, render, settings_classes
+from mempo_cli import docs_config
+from mempo_cli.docs_config import OTHER_VARIABLES, SECTIONS, SHARED, render, settings_classes
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "configuration.md"
@@ -174,8 +174,8 @@ def test_compose_environment_names_real_fields_and_validates(monkeypatch: pytest
 
 def test_every_variable_named_in_the_repo_is_a_field() -> None:
     allowed = compose_interpolations()  # MEMPO_RETRIEVAL_PORT in ${...} is a host port, etc.
-    files = [REPO / "README.md", REPO / "docker-compose.yml", REPO / ".env.example"]
-    for folder in ("mempo", "services", "docs", "scripts", "benchmarks"):
+    files = [REPO / n for n in ("README.md", "docker-compose.yml", "docker-compose.cpu.yml", ".env.example", "Dockerfile")]
+    for folder in ("mempo", "mempo_sim", "mempo_cli", "services", "docs", "scripts", "benchmarks", "docker"):
         files += [p for p in (REPO / folder).rglob("*") if p.is_file() and p.suffix in ("", ".py", ".md", ".sh", ".gpu")]
     unknown = set()
     for path in files:
@@ -200,7 +200,7 @@ def test_env_example_variables_feed_compose_and_are_documented() -> None:
 def test_other_variables_are_really_read() -> None:
     code = "\n".join(
         p.read_text(errors="replace")
-        for folder in ("mempo", "services")
+        for folder in ("mempo", "mempo_sim", "mempo_cli", "services")
         for p in (REPO / folder).rglob("*")
         if p.is_file() and p.suffix in (".py", ".sh") and p.name != "docs_config.py"
     )
@@ -230,7 +230,7 @@ def test_mempo_docs_config_is_a_cli_command(tmp_path: Path) -> None:
     page = tmp_path / "configuration.md"
     page.write_text(render())
     result = subprocess.run(
-        [sys.executable, "-m", "mempo.cli", "docs", "config", "--check", "--out", str(page)],
+        [sys.executable, "-m", "mempo_cli", "docs", "config", "--check", "--out", str(page)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from mempo.launcher import heldout
-from mempo.launcher.evaluate import EvalOptions, eval_tasks
-from mempo.launcher.heldout import HELDOUT, HeldOut, cached_heldout_score, heldout_key
-from mempo.launcher.plots import moving_average, plot_run
-from mempo.launcher.progress import AVERAGE, Progress, Snapshot
+from mempo_cli.launcher import heldout
+from mempo_cli.launcher.evaluate import EvalOptions, eval_tasks
+from mempo_cli.launcher.heldout import HELDOUT, HeldOut, cached_heldout_score, heldout_key
+from mempo_cli.launcher.plots import moving_average, plot_run
+from mempo_cli.launcher.progress import AVERAGE, Progress, Snapshot
 from mempo_sim.world import World
 
 

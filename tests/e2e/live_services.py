@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mempo.launcher.supervisor import Child, Supervisor
 from mempo.procs import free_port
+from mempo_cli.launcher.supervisor import Child, Supervisor
 
 SERVICES = ("retrieval", "scorer", "engine", "worker", "learner")
 

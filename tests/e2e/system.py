@@ -2,7 +2,7 @@
 
 ``running_system`` starts a private redis-server (AOF on, so a restart keeps the streams)
 and everything ``mempo up`` starts (retrieval, scorer, N CPU engines + N rollout workers,
-learner) with ``mempo.launcher.up.start_services`` on the tiny model, with small settings.
+learner) with ``mempo_cli.launcher.up.start_services`` on the tiny model, with small settings.
 ``System`` reads the state back from outside: the learner's /v1/status, the engines'
 /model_info, the Redis streams and pending lists, the checkpoints on disk; ``Ledger``
 checks that every admitted task is accounted for exactly once.
@@ -22,9 +22,9 @@ import httpx
 import redis
 
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
-from mempo.launcher.supervisor import Child, Supervisor
-from mempo.launcher.up import Endpoints, UpOptions, start_services
 from mempo.procs import RedisServer
+from mempo_cli.launcher.supervisor import Child, Supervisor
+from mempo_cli.launcher.up import Endpoints, UpOptions, start_services
 
 T = TypeVar("T")
 

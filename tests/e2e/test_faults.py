@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from mempo.arrays import LogProbs, TokenIds, dump_with_sidecar
-from mempo.launcher.supervisor import Child
 from mempo.schemas import Group, Round, Task, Trajectory
+from mempo_cli.launcher.supervisor import Child
 from tests.e2e.system import BATCH_GROUPS, System
 
 pytestmark = pytest.mark.e2e

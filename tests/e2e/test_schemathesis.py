@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 from schemathesis.core.result import Err
 
-from mempo.launcher.supervisor import Supervisor
+from mempo_cli.launcher.supervisor import Supervisor
 from tests.e2e.live_services import SERVICES, HttpStack, start_http_stack
 
 pytestmark = pytest.mark.e2e

@@ -34,7 +34,7 @@ def test_a_service_refuses_a_weak_secret(command: list[str], env: dict[str, str]
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MEMPO_")}
     environment |= {**env, f"MEMPO_{prefix}_PORT": str(port), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "mempo.cli", *command],
+        [sys.executable, "-m", "mempo_cli", *command],
         env=environment, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])

@@ -286,8 +286,8 @@ async def test_admin_routes_without_a_token_are_closed(
 def test_an_engine_opened_for_development_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A real engine process: without a token its admin routes are closed; with
     ADMIN_OPEN=true they are open and its log says so at start."""
-    from mempo.launcher.supervisor import Supervisor
     from mempo.procs import free_port
+    from mempo_cli.launcher.supervisor import Supervisor
 
     with Supervisor(tmp_path) as sup:
         for opened in (False, True):
@@ -398,9 +398,9 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
     """``mempo up``'s services (its own random secret per service: the scorer's token, the
     workers' token, each engine's key; TOKEN on retrieval and the learner) on a Redis with
     a password, logging at DEBUG. The learner updates each engine through its worker."""
-    from mempo.launcher import up
-    from mempo.launcher.supervisor import Supervisor
     from mempo.procs import RedisServer
+    from mempo_cli.launcher import up
+    from mempo_cli.launcher.supervisor import Supervisor
     from tests.e2e.live_services import find_secrets
 
     password = secrets.token_hex(16)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mempo.launcher.plots import PANELS, plot_run
 from mempo.procs import free_port
+from mempo_cli.launcher.plots import PANELS, plot_run
 from tests.e2e.system import BATCH_GROUPS, System
 
 pytestmark = pytest.mark.e2e
@@ -111,7 +111,7 @@ def test_mempo_eval_uses_a_running_engine(finished: System, tiny_model_dir: Path
     def mempo_eval(engine_url: str, out: Path) -> subprocess.CompletedProcess[str]:
         argv = ["eval", "--model", str(tiny_model_dir), "--engine-url", engine_url, "--ks", "1",
                 "--tasks", "2", "--modes", "memory", "--score", "--out", str(out)]  # fmt: skip
-        return subprocess.run([sys.executable, "-m", "mempo.cli", *argv], capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-m", "mempo_cli", *argv], capture_output=True, text=True, timeout=300)
 
     done = mempo_eval(finished.ends.engines[0], tmp_path / "eval")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -54,12 +54,12 @@ def test_the_worker_extra_holds_no_torch_and_runs_episodes(
     with EngineThread(engine_settings(tiny_model_dir, context_length=2048)) as engine:
         try:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "mempo.cli", "retrieval", "serve"], cwd=REPO,
+                [sys.executable, "-m", "mempo_cli", "retrieval", "serve"], cwd=REPO,
                 env={**clean, "MEMPO_RETRIEVAL_PORT": str(retrieval_port)},
                 stdout=logs["retrieval"], stderr=subprocess.STDOUT,
             ))  # fmt: skip
             procs.append(subprocess.Popen(
-                [str(worker_venv), "-m", "mempo.cli", "rollout", "worker"], cwd=tmp_path,
+                [str(worker_venv), "-m", "mempo_cli", "rollout", "worker"], cwd=tmp_path,
                 env={**clean, "HF_HUB_OFFLINE": "1", "MEMPO_ROLLOUT_PORT": str(worker_port),
                      "MEMPO_ROLLOUT_REDIS_URL": "", "MEMPO_ROLLOUT_SCORER_URL": "",
                      "MEMPO_ROLLOUT_ENGINE_URL": engine, "MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN": ADMIN,

@@ -62,7 +62,7 @@ async def test_two_ranks_train_and_rank_zero_publishes(
         "2",
     ]
     proc = subprocess.Popen(
-        [*command, "-m", "mempo.cli", "learner", "serve"],
+        [*command, "-m", "mempo_cli", "learner", "serve"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -136,9 +136,8 @@ def test_jsonl_rounds_train_on_the_response_only(tokenizer: object, tmp_path: Pa
 
 
 def test_mempo_sft_command(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from mempo import cli
+    from mempo_cli import main as cli
 
-    cli._mount_extensions()
     runner = CliRunner()
     out = tmp_path / "policy"
     args = [

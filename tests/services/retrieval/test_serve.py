@@ -27,7 +27,7 @@ def test_serves_search_r1_requests_with_zero_setup(world: World, tmp_path: Path)
     env.update(HF_HUB_OFFLINE="1", MEMPO_RETRIEVAL_PORT=str(port))
     log = (tmp_path / "retrieval.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mempo.cli", "retrieval", "serve"],
+        [sys.executable, "-m", "mempo_cli", "retrieval", "serve"],
         cwd=REPO,
         env=env,
         stdout=log,
@@ -85,7 +85,7 @@ def test_half_sent_requests_are_cut_off_and_slow_whole_ones_are_not(tmp_path: Pa
     env.update(HF_HUB_OFFLINE="1", MEMPO_RETRIEVAL_PORT=str(port), MEMPO_RETRIEVAL_REQUEST_READ_TIMEOUT_S="1")
     log = (tmp_path / "retrieval.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mempo.cli", "retrieval", "serve"],
+        [sys.executable, "-m", "mempo_cli", "retrieval", "serve"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

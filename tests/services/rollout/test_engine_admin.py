@@ -284,7 +284,7 @@ def test_the_cli_serves_an_engine_process(tiny_model_dir: Path, tmp_path: Path) 
     args = ["rollout", "engine", "--port", str(port), "--model-path", str(tiny_model_dir)]
     log = (tmp_path / "engine.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mempo.cli", *args], env=env, stdout=log, stderr=log
+        [sys.executable, "-m", "mempo_cli", *args], env=env, stdout=log, stderr=log
     )
     try:
         base = f"http://127.0.0.1:{port}"

@@ -62,7 +62,7 @@ def start_worker(name: str, upstream: str, redis_url: str, keys: Keys, log: Path
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mempo.cli", "rollout", "worker"], env=env, stdout=out, stderr=out
+            [sys.executable, "-m", "mempo_cli", "rollout", "worker"], env=env, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, timeout_s=90, proc=proc)

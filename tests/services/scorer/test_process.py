@@ -19,7 +19,7 @@ from mempo.procs import free_port, wait_ready
 def scorer_url(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "MEMPO_SCORER_ADMIN_TOKEN": "t0ken-0123456789abcdef", "MEMPO_SCORER_MAX_WAIT_MS": "2"}
-    args = [sys.executable, "-m", "mempo.cli", "scorer", "serve", "--port", str(port)]
+    args = [sys.executable, "-m", "mempo_cli", "scorer", "serve", "--port", str(port)]
     args += ["--model-path", str(tiny_model_dir), "--weights-root", str(tmp_path)]
     log = (tmp_path / "scorer.log").open("wb")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)

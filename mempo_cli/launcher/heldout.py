@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mempo.launcher.evaluate import EvalOptions, evaluate
+from mempo_cli.launcher.evaluate import EvalOptions, evaluate
 
 HELDOUT = EvalOptions(ks=(1,), modes=("memory",), every_question=True)
 CACHE_FILE = "heldout.json"

@@ -9,7 +9,6 @@ commands, so ``mempo --help`` is quick. Bad arguments exit with code 2 and a mes
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import sys
@@ -18,12 +17,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mempo.settings import configure_logging, quiet_hub
+from mempo.settings import configure_logging, fail, quiet_hub
+from mempo_cli import docs_config
+from services.learner import cli as learner_cli
+from services.retrieval import cli as retrieval_cli
+from services.rollout import cli as rollout_cli
+from services.scorer import cli as scorer_cli
 
 if TYPE_CHECKING:
-    from mempo.launcher.evaluate import EvalOptions
-    from mempo.launcher.heldout import HeldOut
-    from mempo.launcher.up import UpOptions
+    from mempo_cli.launcher.evaluate import EvalOptions
+    from mempo_cli.launcher.heldout import HeldOut
+    from mempo_cli.launcher.up import UpOptions
 
 app = typer.Typer(
     name="mempo",
@@ -38,12 +42,6 @@ app.add_typer(tiny_app, name="tiny")
 app.add_typer(world_app, name="world")
 
 log = logging.getLogger(__name__)
-
-
-def fail(message: str) -> None:
-    """Exit 2 with a message on stderr (bad input: never a stack trace)."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @tiny_app.command("build")
@@ -140,9 +138,9 @@ def up(
     import time
     from dataclasses import replace
 
-    from mempo.launcher.heldout import HELDOUT
-    from mempo.launcher.up import UpOptions, run_up
-    from mempo.launcher.warmstart import WarmStart, warm_started_policy
+    from mempo_cli.launcher.heldout import HELDOUT
+    from mempo_cli.launcher.up import UpOptions, run_up
+    from mempo_cli.launcher.warmstart import WarmStart, warm_started_policy
 
     if mode not in ("memory", "full"):
         fail(f"--mode must be memory or full (got {mode!r})")
@@ -184,7 +182,7 @@ def up(
 
 def _heldout(policy: Path, out: Path, opts: EvalOptions, cached: bool) -> HeldOut:
     """The held-out score of ``policy`` (cached in its folder when ``cached``), shown."""
-    from mempo.launcher.heldout import cached_heldout_score, heldout_score
+    from mempo_cli.launcher.heldout import cached_heldout_score, heldout_score
 
     if not (policy / "config.json").exists():
         raise RuntimeError(f"no policy to score at {policy}")
@@ -199,7 +197,7 @@ def _up_report(opts: UpOptions, final: dict[str, Any], start: HeldOut | None, en
     """Write the run's heldout.json and plots; the final JSON of ``mempo up``."""
     from dataclasses import asdict
 
-    from mempo.launcher.plots import plot_run
+    from mempo_cli.launcher.plots import plot_run
 
     if start is not None and end is not None:
         heldout = {"start": asdict(start), "end": asdict(end), "end_step": final.get("step")}
@@ -219,7 +217,7 @@ def plot_cmd(
     run: Annotated[Path, typer.Argument(help="run folder holding metrics.jsonl (runs/<name>, or a learner's RUN_DIR)")],
 ) -> None:
     """Draw a run's PNG plots from its metrics.jsonl (what ``mempo up`` does at the end)."""
-    from mempo.launcher.plots import plot_run
+    from mempo_cli.launcher.plots import plot_run
 
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
@@ -252,7 +250,7 @@ def evaluate_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from mempo.launcher.evaluate import EvalOptions, evaluate, plot_eval
+    from mempo_cli.launcher.evaluate import EvalOptions, evaluate, plot_eval
 
     if not (model / "config.json").exists():
         fail(f"--model {model} is not an HF model folder (no config.json)")
@@ -291,34 +289,17 @@ def evaluate_cmd(
     typer.echo(f"wrote {out / 'eval.json'} and {png}")
 
 
-# Groups and commands defined next to the code they run.
-_EXTENSIONS = [
-    ("services.retrieval.cli", "retrieval"),
-    ("services.scorer.cli", "scorer"),
-    ("services.rollout.cli", "rollout"),
-    ("services.learner.cli", "learner"),
-    ("mempo.docs_config", "docs"),
-]
-
-
-def _mount_extensions() -> None:
-    for module_name, group in _EXTENSIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue  # that service has no CLI yet
-            raise
-        sub = getattr(module, "app", None)
-        if sub is not None:
-            app.add_typer(sub, name=group)
-        register = getattr(module, "register_top_level", None)
-        if register is not None:
-            register(app)
+# Groups and commands defined next to the code they run (their heavy imports stay
+# inside the commands, so mounting them is quick).
+app.add_typer(retrieval_cli.app, name="retrieval")
+app.add_typer(scorer_cli.app, name="scorer")
+app.add_typer(rollout_cli.app, name="rollout")
+app.add_typer(learner_cli.app, name="learner")
+app.add_typer(docs_config.app, name="docs")
+learner_cli.register_top_level(app)  # mempo sft
 
 
 def main() -> None:
-    _mount_extensions()
     try:
         app()
     except KeyboardInterrupt:

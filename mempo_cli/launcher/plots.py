@@ -65,7 +65,7 @@ def read_heldout(path: Path) -> dict[str, Any]:
 
 def _reward_extras(ax: Any, rows: Sequence[dict[str, Any]], heldout: dict[str, Any]) -> int:
     """The reward's moving average and the held-out EM before and after RL."""
-    from mempo.launcher.progress import AVERAGE
+    from mempo_cli.launcher.progress import AVERAGE
 
     drawn = 0
     xs, ys = _series(rows, "reward_mean")

@@ -60,13 +60,13 @@ class Supervisor:
         url: str | None = None,
         ready_path: str = "/ready",
     ) -> Child:
-        """Start ``python -m mempo.cli <args>`` (or any argv) with its output in logs/<name>.log."""
+        """Start ``python -m mempo_cli <args>`` (or any argv) with its output in logs/<name>.log."""
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
         argv = list(args)
         if argv and argv[0] == "mempo":
-            argv = [sys.executable, "-m", "mempo.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "mempo_cli", *argv[1:]]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = _spawn(argv, child_env, log_path)
         child = Child(name, url, proc, log_path, ready_path, argv, child_env)

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from mempo.launcher.progress import Progress, Snapshot
-from mempo.launcher.supervisor import Child, ChildFailed, Supervisor
 from mempo.procs import RedisServer, free_port
+from mempo_cli.launcher.progress import Progress, Snapshot
+from mempo_cli.launcher.supervisor import Child, ChildFailed, Supervisor
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ class WarmStart:
 def sft_command(spec: WarmStart, base: Path, out: Path) -> list[str]:
     """``mempo sft`` of ``base`` into ``out`` with the warm start's recipe."""
     return [
-        sys.executable, "-m", "mempo.cli", "sft", "--out", str(out), "--model", str(base),
+        sys.executable, "-m", "mempo_cli", "sft", "--out", str(out), "--model", str(base),
         "--tasks", str(spec.tasks), "--worlds", str(spec.worlds), "--world-seed", str(spec.world_seed),
         "--k", spec.k, "--mode", spec.mode, "--steps", str(spec.steps), "--lr", str(spec.lr),
         "--seed", str(spec.seed),

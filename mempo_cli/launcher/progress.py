@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from mempo.launcher.plots import moving_average
+from mempo_cli.launcher.plots import moving_average
 
 AVERAGE = 8  # steps in the reward's moving average
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from mempo.launcher.supervisor import Supervisor
 from mempo.procs import free_port
 from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
+from mempo_cli.launcher.supervisor import Supervisor
 from mempo_sim.world import World, WorldConfig
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,5 @@
+"""``python -m mempo_cli`` is the ``mempo`` command."""
+
+from mempo_cli.main import main
+
+main()
