@@ -132,8 +132,7 @@ def refuse_weak_secrets(settings: BaseSettings) -> None:
     """Exit 2 with one line on stderr when ``weak_secret`` finds a problem."""
     problem = weak_secret(settings)
     if problem:
-        sys.stderr.write(f"error: {problem}\n")
-        raise SystemExit(2)
+        fail(problem)
 
 
 def unknown_variables(settings: BaseSettings, environ: dict[str, str] | None = None) -> list[str]:

@@ -93,9 +93,10 @@ class Stack:
         return result.stdout or ""
 
     def redis(self, *args: str) -> list[str]:
-        """redis-cli in the redis container (its REDISCLI_AUTH holds the password)."""
-        out = self.compose("exec", "-T", "redis", "redis-cli", "--no-raw", *args, capture=True, timeout=60)
-        return [line.split(") ", 1)[-1].strip().strip('"') for line in out.splitlines() if line.strip()]
+        """redis-cli in the redis container (its REDISCLI_AUTH holds the password): the
+        reply's lines (--raw: one element a line)."""
+        out = self.compose("exec", "-T", "redis", "redis-cli", "--raw", *args, capture=True, timeout=60)
+        return [line for line in out.splitlines() if line.strip()]
 
     def status(self) -> dict[str, Any]:
         url = f"http://127.0.0.1:{self.learner_port}/v1/status"
@@ -103,19 +104,16 @@ class Stack:
             return dict(json.loads(reply.read()))
 
     def engines(self) -> dict[str, dict[str, Any]]:
-        """The registry: entry id -> {role, weight_version, ...}."""
-        found = {}
-        for key in self.redis("--scan", "--pattern", "mempo:engines:*"):
-            out = self.compose("exec", "-T", "redis", "redis-cli", "--raw", "GET", key, capture=True, timeout=60)
-            if out.strip():
-                entry = json.loads(out)
-                found[entry["id"]] = entry
-        return found
+        """The registry: entry id -> {role, weight_version, ...} (an entry that expires
+        between SCAN and MGET is an empty line, left out)."""
+        keys = self.redis("--scan", "--pattern", "mempo:engines:*")
+        entries = [json.loads(raw) for raw in self.redis("MGET", *keys)] if keys else []
+        return {entry["id"]: entry for entry in entries}
 
     def pending(self) -> list[tuple[str, str]]:
-        """(task entry id, consumer) of every task claimed and not yet done."""
-        out = self.compose("exec", "-T", "redis", "redis-cli", "--raw", "XPENDING", "mempo:tasks", "rollout",
-                           "-", "+", "100", capture=True, timeout=60).split()  # fmt: skip
+        """(task entry id, consumer) of every task claimed and not yet done: XPENDING's
+        rows are (id, consumer, idle ms, deliveries)."""
+        out = self.redis("XPENDING", "mempo:tasks", "rollout", "-", "+", "100")
         return [(out[i], out[i + 1]) for i in range(0, len(out) - 3, 4)]
 
     def rollout_containers(self) -> list[str]:
