@@ -163,7 +163,6 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                 values = [float(r[key]) for r in steps if r.get(key) is not None]
                 if values:
                     row[f"{name}_{key}"] = statistics.fmean(values)
-    row["full_mode_tokens_per_task"] = row[f"{args.arms[0]}_full_mode_tokens_per_task"]
     log(f"seed {seed} done: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     return row
 
@@ -250,10 +249,14 @@ def main() -> None:
         rows.append(one_seed(seed, args))
     means, spread = summarise(rows)
     mempo_arm = next((a for a in args.arms if a != "grpo"), "mempo")  # the MemPO arm the mempo_* keys report
+    headline = {  # the names -> the figures every seed row holds
+        "sft_em": "sft_em", "mempo_em": f"{mempo_arm}_em", "grpo_em": "grpo_em",
+        "sft_p_mem": "sft_p_mem", "mempo_p_mem": f"{mempo_arm}_p_mem", "grpo_p_mem": "grpo_p_mem",
+        "mempo_tokens_per_task": f"{mempo_arm}_tokens_per_task",
+        "full_mode_tokens_per_task": f"{mempo_arm}_full_mode_tokens_per_task", "minutes": "minutes",
+    }
     summary = {
-        **{k: means.get(k.replace("mempo_", f"{mempo_arm}_", 1)) for k in (
-            "sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem", "grpo_p_mem",
-            "mempo_tokens_per_task", "full_mode_tokens_per_task", "minutes")},
+        **{name: means.get(key) for name, key in headline.items()},
         "mempo_arm": mempo_arm, "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
         "eval_tasks": args.eval_tasks, "means": means, "spread": spread, "per_seed": rows,
         "curves": str(plot(args.out, rows, args.arms)),
