@@ -10,7 +10,8 @@ commands and services:
 2. eval of the SFT policy (``mempo eval``) on the agent world's held-out test split
    (entities training never asks about), memory and full mode, P_mem scored;
 3. for each arm, ``mempo up`` from the SFT policy (the demo's recipe, ``--rl-steps``
-   steps, sampling seed s) and eval of its last weights. Arms: ``mempo`` (memory
+   steps, sampling seed s; ``--lr-decay``: a cosine decay of the learning rate to a tenth
+   over them) and eval of its last weights. Arms: ``mempo`` (memory
    advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
    ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
    over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks),
@@ -117,7 +118,7 @@ def train(folder: Path, sft_model: Path, arm: str, seed: int, world: int, args: 
     run([*MEMPO, "up", "--model", str(sft_model), "--name", folder.name, "--runs-root", str(folder.parent),
          "--steps", str(args.rl_steps), *ARMS[arm], "--group-size", str(args.group_size),
          "--batch-groups", str(args.batch_groups), "--seed", str(seed), "--world-seed", str(world),
-         "--no-heldout"])  # fmt: skip
+         "--lr-decay-steps", str(args.rl_steps if args.lr_decay else 0), "--no-heldout"])  # fmt: skip
 
 
 def last_weights(run_dir: Path) -> Path:
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--sft-mode", default="both", choices=["memory", "both"],
                         help="both: the policy also learns full mode, so full-mode tokens compare like with like")
     parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--lr-decay", action="store_true", help="RL's learning rate decays along a cosine to a tenth over --rl-steps")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--batch-groups", type=int, default=8)
     parser.add_argument("--ks", default="1,2", help="questions per task of the held-out eval (RL trains on 1)")
@@ -258,6 +260,7 @@ def main() -> None:
     summary = {
         **{name: means.get(key) for name, key in headline.items()},
         "mempo_arm": mempo_arm, "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
+        "lr_decay": args.lr_decay,
         "eval_tasks": args.eval_tasks, "means": means, "spread": spread, "per_seed": rows,
         "curves": str(plot(args.out, rows, args.arms)),
     }  # fmt: skip

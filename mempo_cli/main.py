@@ -106,8 +106,11 @@ def up(
     mode: Annotated[str, typer.Option(help="memory (MemPO) | full (full-history baseline)")] = "memory",
     max_rounds: Annotated[int, typer.Option(min=1)] = 6,
     max_staleness: Annotated[int, typer.Option(min=0, help="0: fully on-policy")] = 1,
-    lr: Annotated[float, typer.Option(min=0, help="learning rate, constant after --warmup-steps")] = 3e-4,
+    lr: Annotated[float, typer.Option(min=0, help="peak learning rate, reached after --warmup-steps")] = 3e-4,
     warmup_steps: Annotated[int, typer.Option(min=0, help="optimizer steps of linear warmup")] = 0,
+    lr_decay_steps: Annotated[
+        int, typer.Option(min=0, help="train steps of a cosine decay to lr/10 (0: constant lr)")
+    ] = 0,
     ppo_epochs: Annotated[int, typer.Option(min=1, help="passes over each step's batch (2 mini-batches each)")] = 2,
     beta_kl: Annotated[float, typer.Option(min=0, help="weight of the KL penalty to the starting policy")] = 0.02,
     alpha: Annotated[float, typer.Option(min=0, help="memory advantage weight: 0 = plain GRPO, 1 = MemPO")] = 0.0,
@@ -158,8 +161,8 @@ def up(
         name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
         model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
-        lr=lr, warmup_steps=warmup_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl, alpha=alpha,
-        mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, mem_loss=mem_loss, seed=seed,
+        lr=lr, warmup_steps=warmup_steps, decay_steps=lr_decay_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl,
+        alpha=alpha, mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, mem_loss=mem_loss, seed=seed,
         world_seed=world_seed, display=display, weight_sync=weight_sync,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=world_seed))

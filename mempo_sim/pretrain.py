@@ -17,29 +17,17 @@ measured in docs/results.md.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+from mempo.schedule import cosine_schedule
+
 log = logging.getLogger(__name__)
 
 ANSWER_WEIGHT = 10.0  # loss weight of a drill's answer token against any other token
 FIRST_WORLD = 1000  # pretraining worlds: seeds FIRST_WORLD, +1, ... (never the default 0)
-
-
-def cosine_schedule(warmup_steps: int, steps: int, final_ratio: float) -> Callable[[int], float]:
-    """LR multiplier at optimizer step ``step`` (0-based): linear warmup to 1, then a
-    cosine down to ``final_ratio`` at the last step."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, steps - 1 - warmup_steps))
-        return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def drill_texts(worlds: int, drills_per_world: int = 400, seed: int = 0) -> list[str]:

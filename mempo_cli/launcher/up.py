@@ -42,6 +42,7 @@ class UpOptions:
     max_staleness: int = 1
     lr: float | None = None
     warmup_steps: int | None = None
+    decay_steps: int | None = None  # train steps of a cosine LR decay (0: constant LR)
     ppo_epochs: int | None = None  # passes over each step's batch
     beta_kl: float | None = None  # weight of the KL penalty to the reference (the starting policy)
     alpha: float | None = None  # memory advantage weight (0: plain GRPO)
@@ -142,7 +143,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
         MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
         MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_WORLD_SEED=opts.world_seed,
         MEMPO_LEARNER_TRAINER__LR=opts.lr,
-        MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps, MEMPO_LEARNER_TRAINER__PPO_EPOCHS=opts.ppo_epochs,
+        MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps,
+        MEMPO_LEARNER_TRAINER__DECAY_STEPS=opts.decay_steps, MEMPO_LEARNER_TRAINER__PPO_EPOCHS=opts.ppo_epochs,
         MEMPO_LEARNER_TRAINER__BETA_KL=opts.beta_kl,
         MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
         MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,

@@ -35,6 +35,7 @@ from mempo.agent_format import (
     parse_response,
 )
 from mempo.files import atomic_dir
+from mempo.schedule import cosine_schedule
 from mempo.schemas import Round, Trajectory
 from services.learner.batch import TrainingBatch, TrainSequence, trajectory_sequences
 from services.learner.packing import forward_logprobs, micro_batches
@@ -254,7 +255,6 @@ def train_sft(
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
     from transformers import AutoModelForCausalLM
 
-    from mempo_sim.pretrain import cosine_schedule
     from services.learner.trainer import seed_everything
 
     if not sequences:

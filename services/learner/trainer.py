@@ -1,4 +1,4 @@
-"""The trainer's state: the policy, its frozen reference, AdamW and the warmup schedule,
+"""The trainer's state: the policy, its frozen reference, AdamW and the LR schedule,
 the step counters. The training step is services/learner/step.py; checkpoints and exports
 are services/learner/checkpoint.py; under torchrun the commands reach the other ranks
 through services/learner/distributed.py (``lead`` / ``follow``).
@@ -10,6 +10,7 @@ weights are float32.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mempo.schedule import cosine_schedule
 from services.learner import checkpoint
 from services.learner.checkpoint import CheckpointState
 from services.learner.distributed import (
@@ -61,9 +63,13 @@ def load_model(
     return model  # type: ignore[no-any-return]
 
 
-def warmup_factor(warmup_steps: int) -> Any:
-    """LR multiplier: linear from 1 / warmup_steps up to 1, then constant."""
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+def lr_factor(config: TrainerConfig) -> Callable[[int], float]:
+    """LR multiplier per optimizer step: the warmup, then constant or (``decay_steps``) a
+    cosine to ``final_lr_ratio`` over that many train steps' optimizer steps."""
+    per_step = config.ppo_epochs * config.mini_batches
+    if not config.decay_steps:
+        return cosine_schedule(config.warmup_steps, 1, 1.0)
+    return cosine_schedule(config.warmup_steps, config.decay_steps * per_step, config.final_lr_ratio)
 
 
 class Trainer:
@@ -88,7 +94,7 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_factor(config.warmup_steps)
+            self.optimizer, lr_factor(config)
         )
         self.step = 0
         self.version = 0

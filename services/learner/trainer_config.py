@@ -25,7 +25,15 @@ class TrainerConfig(BaseModel):
     """Peak AdamW learning rate. 1e-4 is for the tiny local model; 7B-class models use 1e-6."""
 
     warmup_steps: int = Field(default=10, ge=0)
-    """Optimizer steps of linear warmup from lr / warmup_steps to lr; constant afterwards."""
+    """Optimizer steps of linear warmup from lr / warmup_steps to lr."""
+
+    decay_steps: int = Field(default=0, ge=0)
+    """Train steps after which the learning rate has decayed along a cosine to
+    ``lr * final_lr_ratio`` (counted from the start, warmup included; constant afterwards).
+    0: constant after the warmup."""
+
+    final_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Where the cosine ends, as a fraction of ``lr`` (with ``decay_steps`` > 0)."""
 
     weight_decay: float = Field(default=0.01, ge=0)
     """AdamW decoupled weight decay (verl's actor default)."""

@@ -23,7 +23,7 @@ FIELDS = ("sft_em", "mempo_em", "grpo_em", "sft_p_mem", "mempo_p_mem", "grpo_p_m
 def _run(out: Path) -> tuple[dict, str]:
     env = {**os.environ, "MEMPO_CACHE": str(CACHE)}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "learning_curve.py"), "--smoke", "--out", str(out)],
+        [sys.executable, str(REPO / "benchmarks" / "learning_curve.py"), "--smoke", "--lr-decay", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,6 +44,7 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path: Path) -> None:
         assert (seed / phase / "done.json").exists(), phase
     assert (seed / "mempo" / "metrics.jsonl").exists() and (tmp_path / "curves.png").stat().st_size > 0
     assert "mempo_cli up " in log  # the RL phase ran through `mempo up`
+    assert "--lr-decay-steps 1 " in log and summary["lr_decay"]
 
     again, log = _run(tmp_path)  # every phase done: nothing runs again
     assert again["per_seed"] == summary["per_seed"]

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from mempo.schedule import cosine_schedule
 from mempo_sim.pretrain import (
     FIRST_WORLD,
     answer_weights,
-    cosine_schedule,
     drill_accuracy,
     drill_texts,
     pack_rows,

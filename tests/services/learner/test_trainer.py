@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from mempo.schemas import Round
 from services.learner.batch import TrainingBatch
 from services.learner.ppo import span_mean_weights
 from services.learner.step import make_batch, train_step
-from services.learner.trainer import Trainer
+from services.learner.trainer import Trainer, lr_factor
 from services.learner.trainer_config import TrainerConfig
 from tests.services.learner.factories import cached_groups
 
@@ -43,6 +45,18 @@ def test_one_step_changes_the_policy_and_never_the_reference(tiny_model_dir: Pat
     assert metrics["optimizer_steps"] == 2 and metrics["tokens"] > 0
     for name in ("loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "grad_norm", "tokens_per_s"):
         assert torch.isfinite(torch.tensor(metrics[name])), name
+
+
+def test_lr_is_constant_after_the_warmup_or_decays_over_decay_steps_train_steps() -> None:
+    constant = lr_factor(TrainerConfig(warmup_steps=2))
+    assert [constant(s) for s in (0, 1, 2, 500)] == [0.5, 1.0, 1.0, 1.0]
+    # 10 train steps x 2 epochs x 2 mini-batches = 40 optimizer steps of warmup then cosine.
+    decay = lr_factor(TrainerConfig(warmup_steps=2, decay_steps=10, ppo_epochs=2, mini_batches=2))
+    values = [decay(s) for s in range(60)]
+    assert values[:2] == [0.5, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(values[1:]))
+    assert values[20] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 18 / 37)))
+    assert values[39] == pytest.approx(0.1) and values[59] == pytest.approx(0.1)
 
 
 def test_first_minibatch_has_ratio_one_with_recomputed_old_logprobs(tiny_model_dir: Path) -> None:
