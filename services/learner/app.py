@@ -146,6 +146,13 @@ def create_app(settings: LearnerSettings | None = None) -> FastAPI:
             return await learner_status(
                 running.queue, settings, running.loop, running.state, running.error
             )
+        except REDIS_ERRORS as exc:  # right after Redis restarts a pooled connection can fail once
+            log.info("GET /v1/status: %s from Redis; trying once more", type(exc).__name__)
+        await asyncio.sleep(0.2)
+        try:
+            return await learner_status(
+                running.queue, settings, running.loop, running.state, running.error
+            )
         except REDIS_ERRORS as exc:
             raise NotReady(f"Redis unreachable: {type(exc).__name__}") from exc
 
