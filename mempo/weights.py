@@ -18,6 +18,8 @@ resolves inside the weights root (a symlink to outside is refused, checked on th
 actually opened), the header must be exactly the format above (anything else is a
 ``WeightsFormatError``, which services answer with 400), and ``check_weights`` holds a
 state against the model's own: no missing, unexpected or reshaped tensor, no NaN / inf.
+``load_checked`` is both; it skips the NaN / inf scan of files the learner sealed after
+its own check (``seal``), when they are still exactly the files it sealed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+SEAL = "finite.json"  # beside published weights: the learner checked these files finite
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 _FINITE_CHUNK = 1 << 24  # elements checked at once: bounds the check's temporary memory
 
@@ -142,13 +145,13 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def map_safetensors_file(path: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, zero-copy; ``root``: it must resolve inside."""
+def _map_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Every tensor of one safetensors file, zero-copy, and the opened file's identity."""
     with os.fdopen(_open_checked(Path(path), root), "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        header, start = _read_header(handle, path, size)
+        opened = os.fstat(handle.fileno())
+        header, start = _read_header(handle, path, opened.st_size)
         entries = {
-            name: _entry(name, spec, size - start, path)
+            name: _entry(name, spec, opened.st_size - start, path)
             for name, spec in header.items()
             if name != "__metadata__"
         }
@@ -162,23 +165,75 @@ def map_safetensors_file(path: Path, root: Path | None = None) -> dict[str, torc
             else torch.empty(0, dtype=dtype)
         )
         tensors[name] = flat.reshape(shape)
-    return tensors
+    return tensors, _identity(opened)
+
+
+def _map_folder(
+    directory: Path, root: Path | None
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise WeightsFormatError(f"no *.safetensors in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    identities = {}
+    for file in files:
+        tensors, identities[file.name] = _map_file(file, root)
+        for name, tensor in tensors.items():
+            if name in state:
+                raise WeightsFormatError(f"{name!r} appears in more than one file of {directory}")
+            state[name] = tensor
+    return state, identities
 
 
 def map_safetensors(directory: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of every ``*.safetensors`` file in ``directory``, zero-copy.
 
     ``root``: every file must resolve inside it (``WeightsOutsideRoot`` otherwise)."""
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise WeightsFormatError(f"no *.safetensors in {directory}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in map_safetensors_file(file, root).items():
-            if name in state:
-                raise WeightsFormatError(f"{name!r} appears in more than one file of {directory}")
-            state[name] = tensor
+    return _map_folder(directory, root)[0]
+
+
+def load_checked(
+    directory: Path, expected: Mapping[str, torch.Tensor], root: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """``map_safetensors`` then ``check_weights`` against ``expected`` (a model's state
+    dict): what a receiver of a publish runs. The finite scan is skipped when the folder's
+    seal (``seal``) records every file exactly as it was opened: the learner checked
+    those bytes finite, and nobody has written, replaced or copied them since."""
+    state, identities = _map_folder(directory, root)
+    check_weights(state, expected, str(directory), finite=_read_seal(directory, root) != identities)
     return state
+
+
+def _identity(opened: os.stat_result) -> list[int]:
+    """What changes when a file is written, replaced or copied: inode, size, modification
+    and change times (a chmod moves the change time too; nobody can set it)."""
+    return [opened.st_ino, opened.st_size, opened.st_mtime_ns, opened.st_ctime_ns]
+
+
+def seal(directory: Path) -> None:
+    """Record that the ``*.safetensors`` files of ``directory``, as they are now, were
+    checked finite (``SEAL``, read by ``load_checked``). Call it last: after the check and
+    any chmod. Whoever can write the seal can write the weights (the receivers only read
+    files of their own user or root), so it gives no one a power they lack; it spares each
+    receiver a scan of every byte. Before Linux 6.13 file times move by the jiffy (a few
+    ms): a write of the same size that soon after the seal can go unnoticed."""
+    files = {p.name: _identity(p.stat()) for p in sorted(Path(directory).glob("*.safetensors"))}
+    path = Path(directory) / SEAL
+    path.write_text(json.dumps({"checked": "finite", "files": files}))
+    path.chmod(0o644)
+
+
+def _read_seal(directory: Path, root: Path | None) -> dict[str, list[int]] | None:
+    """The identities ``seal`` recorded, or None (no seal, or not one ``seal`` wrote)."""
+    if not (Path(directory) / SEAL).exists():
+        return None
+    try:
+        with os.fdopen(_open_checked(Path(directory) / SEAL, root), "rb") as handle:
+            data = json.loads(handle.read(1_000_000))
+    except (WeightsFormatError, OSError, ValueError, RecursionError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    return files if isinstance(files, dict) else None
 
 
 def non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
@@ -208,10 +263,14 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
 
 
 def check_weights(
-    state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], where: str
+    state: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    where: str,
+    finite: bool = True,
 ) -> None:
     """``state`` must fit a model whose state dict is ``expected``: the same names (a tied
-    weight, sharing storage with a loaded one, may be left out), shapes, finite values."""
+    weight, sharing storage with a loaded one, may be left out), shapes, and (``finite``)
+    finite values."""
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise WeightsFormatError(f"unexpected tensors {unexpected[:5]} in {where}")
@@ -229,7 +288,8 @@ def check_weights(
                 f"{name}: shape {tuple(tensor.shape)} in {where}, "
                 f"the model has {tuple(expected[name].shape)}"
             )
-    check_finite(state, where)
+    if finite:
+        check_finite(state, where)
 
 
 def assign_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:

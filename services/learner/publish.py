@@ -38,7 +38,7 @@ from mempo.clients.engine import EngineClient, EngineError
 from mempo.files import atomic_dir
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
-from mempo.weights import check_finite, map_safetensors, non_finite
+from mempo.weights import check_finite, map_safetensors, non_finite, seal
 from mempo_sim.tiny import make_world_readable
 from services.learner.broadcast import WeightBroadcaster
 
@@ -188,7 +188,8 @@ class WeightPublisher:
         return {u for u, e in errors.items() if e is None}, dict.fromkeys(errors, took)
 
     def write_version(self, exporter: WeightExporter, version: int) -> Path:
-        """``v{version}/`` written atomically (temp dir + rename) and world-readable."""
+        """``v{version}/`` written atomically (temp dir + rename), checked finite,
+        world-readable and sealed (mempo.weights.seal)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)
         final = self.version_dir(version)  # re-published after a resume: replaced
@@ -196,6 +197,7 @@ class WeightPublisher:
             exporter.export_hf(tmp)
             check_finite(map_safetensors(tmp), f"weights version {version}")
             make_world_readable(tmp)
+            seal(tmp)  # last: the receivers need not scan what was just checked finite
         return final
 
     async def notify(

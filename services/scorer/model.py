@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mempo.weights import assign_weights, check_weights, map_safetensors
+from mempo.weights import assign_weights, load_checked
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,8 @@ class ModelHolder:
         folder does not fit the model; the current model is untouched then."""
         with self.update_lock:
             current = self.current
-            state = map_safetensors(Path(path), root)
             expected = current.model.state_dict()
-            check_weights(state, expected, str(path))
+            state = load_checked(Path(path), expected, root)
             # A new model that shares nothing with the serving one but the parameters,
             # which assign_weights then replaces: no copy of the weights on this path
             # (the files' mapped tensors become the parameters on CPU; one copy to the

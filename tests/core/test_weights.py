@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,64 @@ def test_non_finite_finds_every_nan_and_inf_and_no_overflowing_finite_sum(dtype:
     both = torch.zeros(10, dtype=dtype)
     both[1], both[2] = float("inf"), float("-inf")  # sum NaN
     assert non_finite({"w": both}) == "w"
+
+
+# --------------------------------------------------------------------------- the seal
+
+
+def _sealed(folder: Path) -> dict[str, torch.Tensor]:
+    from mempo.files import atomic_dir
+    from mempo.weights import seal, write_safetensors
+
+    tensors = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    with atomic_dir(folder) as tmp:  # as the learner publishes: sealed, then renamed
+        write_safetensors(tensors, tmp / "model.safetensors")
+        os.chmod(tmp / "model.safetensors", 0o644)
+        seal(tmp)
+    return tensors
+
+
+def _poison_in_place(file: Path) -> None:
+    """One NaN over the last float's bytes: same size, same inode."""
+    with file.open("r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        handle.write(struct.pack("<f", float("nan")))
+
+
+def test_a_sealed_folder_is_loaded_without_a_finite_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mempo import weights
+
+    tensors = _sealed(tmp_path / "v1")
+    scans = []
+    monkeypatch.setattr(weights, "non_finite", lambda state: scans.append(1))
+    state = weights.load_checked(tmp_path / "v1", tensors, tmp_path)
+    assert not scans and all(torch.equal(state[k], v) for k, v in tensors.items())
+    (tmp_path / "v1" / weights.SEAL).unlink()  # no seal: every byte is scanned
+    weights.load_checked(tmp_path / "v1", tensors, tmp_path)
+    assert scans == [1]
+
+
+@pytest.mark.parametrize("change", ["written after", "copied", "seal garbled", "seal of another"])
+def test_a_seal_that_does_not_match_the_files_is_ignored_and_nan_refused(
+    tmp_path: Path, change: str
+) -> None:
+    import shutil
+
+    from mempo.weights import SEAL, load_checked
+
+    tensors = _sealed(tmp_path / "v1")
+    folder = tmp_path / "v1"
+    if change == "copied":  # a copy keeps the seal's text but not the files' identity
+        shutil.copytree(folder, tmp_path / "v2")
+        folder = tmp_path / "v2"
+    elif change == "seal garbled":
+        (folder / SEAL).write_text("{not json")
+    elif change == "seal of another":
+        _sealed(tmp_path / "v2")
+        (folder / SEAL).write_text((tmp_path / "v2" / SEAL).read_text())
+    time.sleep(0.02)  # before Linux 6.13 a file's times move by the jiffy (mempo.weights.seal)
+    _poison_in_place(folder / "model.safetensors")
+    with pytest.raises(NonFiniteWeights, match=r"[bw] holds NaN"):
+        load_checked(folder, tensors, tmp_path)

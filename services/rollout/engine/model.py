@@ -18,8 +18,7 @@ from mempo.weights import (
     WeightsOutsideRoot,
     assign_weights,
     check_finite,
-    check_weights,
-    map_safetensors,
+    load_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -95,8 +94,8 @@ class ModelRunner:
 
     def read_weights(self, path: Path, root: Path | None) -> dict[str, torch.Tensor]:
         """Read the safetensors in ``path`` (each file inside ``root``) and check them
-        against this model's parameters (mempo.weights.check_weights: names, shapes,
-        finite values)."""
+        against this model's parameters (mempo.weights.load_checked: names, shapes,
+        finite values unless the learner's seal vouches for them)."""
         try:
             is_folder = path.is_dir()
         except OSError:  # a name longer than the file system allows
@@ -105,8 +104,7 @@ class ModelRunner:
             raise WeightsError(f"{path} is not a folder")
         expected = self.model.state_dict()
         try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
-            state = map_safetensors(path, root)
-            check_weights(state, expected, str(path))
+            state = load_checked(path, expected, root)
         except WeightsOutsideRoot as exc:
             raise WeightsRootError(str(exc)) from exc
         except (OSError, ValueError, RuntimeError) as exc:

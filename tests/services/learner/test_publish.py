@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from mempo import weights
 from mempo.keys import Keys
 from mempo.procs import free_port
 from mempo.queue import EngineInfo, RedisQueue
-from mempo.weights import NonFiniteWeights
+from mempo.weights import NonFiniteWeights, map_safetensors
 from services.learner.publish import WeightPublisher
 from tests.services.learner.service_support import StandInEngine, serving
 
@@ -78,6 +79,7 @@ async def test_a_publish_reaches_two_engines_and_the_scorer(
     tmp_path: Path,
     tiny_model_dir: Path,
     engines: list[StandInEngine],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
     await _register(queue, engines)
@@ -104,6 +106,11 @@ async def test_a_publish_reaches_two_engines_and_the_scorer(
     assert mode & stat.S_IROTH and (path.stat().st_mode & stat.S_IXOTH)  # world-readable
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v1"]  # no temp dir left
     assert report.total_s >= report.export_s > 0
+    # Sealed after its check: a receiver loads it without scanning every byte again.
+    scans: list[object] = []
+    monkeypatch.setattr(weights, "non_finite", scans.append)
+    state = weights.load_checked(path, map_safetensors(tiny_model_dir), tmp_path / "weights")
+    assert state.keys() == map_safetensors(tiny_model_dir).keys() and not scans
 
 
 async def test_a_failing_engine_is_stale_and_the_others_are_updated(
