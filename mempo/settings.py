@@ -13,8 +13,10 @@ import sys
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mempo.keys import Keys
 
 
 class ServiceSettings(BaseSettings):
@@ -48,6 +50,33 @@ class ServiceSettings(BaseSettings):
 
     def admin_token_value(self) -> str | None:
         return self.admin_token.get_secret_value() if self.admin_token else None
+
+
+class RedisSettings(ServiceSettings):
+    """A service of the run's Redis (the learner, the rollout worker, the scorer): one set
+    of names for its connection and keys."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis of the run: the task and group streams, the policy pointer, the engine
+    registry. A password goes in redis_password."""
+
+    redis_password: SecretStr | None = None
+    """Redis password, kept out of redis_url (any characters; a password in the URL must be
+    URL-quoted)."""
+
+    key_prefix: str = "mempo:"
+    """Prefix of every Redis key, so several runs can share one Redis."""
+
+    @model_validator(mode="after")
+    def _check_prefix(self) -> RedisSettings:
+        Keys(self.key_prefix)  # raises on an invalid prefix
+        return self
+
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    def redis_password_value(self) -> str | None:
+        return self.redis_password.get_secret_value() if self.redis_password else None
 
 
 def fail(message: str) -> None:

@@ -6,26 +6,19 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from mempo.keys import Keys
 from mempo.schemas import Mode
-from mempo.settings import ServiceSettings
+from mempo.settings import RedisSettings
 from services.learner.trainer_config import TrainerConfig
 
 
-class LearnerSettings(ServiceSettings):
+class LearnerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="MEMPO_LEARNER_")
 
     port: int = Field(default=8004, ge=0, le=65535)
     """TCP port of the status API."""
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis holding the task and group streams, the policy pointer and the engine registry."""
-
-    key_prefix: str = "mempo:"
-    """Prefix of every Redis key, so several runs can share one Redis."""
 
     consumer_name: str = "learner-0"
     """Consumer name on the group stream; keep it stable so a restart reads back its pending groups."""
@@ -81,10 +74,6 @@ class LearnerSettings(ServiceSettings):
 
     scorer_admin_token: SecretStr | None = None
     """Bearer token of the scorer's admin routes (the scorer's MEMPO_SCORER_ADMIN_TOKEN)."""
-
-    redis_password: SecretStr | None = None
-    """Redis password, kept out of redis_url (any characters; a password in the URL must be
-    URL-quoted)."""
 
     publish_timeout_s: float = Field(default=300.0, gt=0)
     """Timeout of one engine's weight update."""
@@ -144,11 +133,6 @@ class LearnerSettings(ServiceSettings):
             raise ValueError("questions_per_task needs integers between 1 and 64")
         return value
 
-    @model_validator(mode="after")
-    def _check_prefix(self) -> LearnerSettings:
-        Keys(self.key_prefix)  # raises on an invalid prefix
-        return self
-
     @property
     def capacity(self) -> int:
         """The in-flight bound: (max_staleness + 1) * batch_groups."""
@@ -158,18 +142,12 @@ class LearnerSettings(ServiceSettings):
     def checkpoints(self) -> Path:
         return self.checkpoint_dir or self.run_dir / "checkpoints"
 
-    def keys(self) -> Keys:
-        return Keys(self.key_prefix)
-
     def role_tokens(self) -> dict[str, str | None]:
         """The admin token of each registry role the learner publishes weights to."""
         return {
             "rollout": _secret(self.worker_admin_token),
             "scorer": _secret(self.scorer_admin_token),
         }
-
-    def redis_password_value(self) -> str | None:
-        return _secret(self.redis_password)
 
     def resolved_model_path(self) -> str:
         if self.model_path:

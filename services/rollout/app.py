@@ -25,7 +25,6 @@ from mempo.clients.engine import EngineError
 from mempo.clients.retrieval import RetrievalError
 from mempo.clients.scorer import ScorerError
 from mempo.disconnects import cancel_on_disconnect
-from mempo.keys import Keys
 from mempo.queue import RedisQueue, connect
 from mempo.retry import RetryableStatus
 from mempo.schemas import Group
@@ -101,12 +100,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         clients = upstreams or Upstreams.from_settings(settings)
-        password = settings.redis_password.get_secret_value() if settings.redis_password else None
-        redis = connect(settings.redis_url, password) if settings.redis_url else None
+        redis = connect(settings.redis_url, settings.redis_password_value()) if settings.redis_url else None
         queue = (
             RedisQueue(
                 redis,
-                Keys(settings.key_prefix),
+                settings.keys(),
                 consumer=settings.worker_id,
                 claim_idle_ms=settings.claim_idle_ms,
                 max_deliveries=settings.max_deliveries,

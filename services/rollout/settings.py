@@ -9,28 +9,18 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from mempo.rewards import RewardKind
-from mempo.settings import ServiceSettings
+from mempo.settings import RedisSettings
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="MEMPO_ROLLOUT_")
 
     port: int = Field(default=8003, ge=0, le=65535)
     """TCP port of the worker's HTTP API."""
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis holding the task and group streams. Empty: no consumer loop (HTTP only)."""
-
-    redis_password: SecretStr | None = None
-    """Redis password, kept out of redis_url (any characters; a password in the URL must be
-    URL-quoted)."""
-
-    key_prefix: str = "mempo:"
-    """Prefix of every Redis key (several runs can share one Redis)."""
 
     worker_id: str = Field(default_factory=default_worker_id)
     """Consumer name in the "rollout" group and id in the engine registry (default hostname-pid)."""
@@ -108,7 +98,7 @@ class WorkerSettings(ServiceSettings):
     /update_weights_from_disk there. Unset: http://<host>:<port> (127.0.0.1 for 0.0.0.0)."""
 
     consume: bool = True
-    """Run the Redis consumer loop (false: serve /v1/episodes only)."""
+    """Run the Redis consumer loop (false, or an empty redis_url: serve /v1/episodes only)."""
 
     episodes_max_n: int = Field(default=64, ge=1)
     """Episodes (task.n) one POST /v1/episodes may ask for; more: 413. Tasks from the queue

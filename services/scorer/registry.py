@@ -14,7 +14,6 @@ import logging
 import socket
 import time
 
-from mempo.keys import Keys
 from mempo.membership import Membership
 from mempo.queue import EngineInfo, PolicyPointer, RedisQueue, connect
 from mempo.schemas import parse_weight_version
@@ -50,8 +49,7 @@ class Registration:
         self.id = engine_id(settings)
         self.url = public_url(settings)
         self.started_at = time.time()
-        password = settings.redis_password.get_secret_value() if settings.redis_password else None
-        self.queue = RedisQueue(connect(settings.redis_url, password), Keys(settings.key_prefix))
+        self.queue = RedisQueue(connect(settings.redis_url, settings.redis_password_value()), settings.keys())
         ttl_s = max(1, round(3 * settings.heartbeat_s))
         self.membership = Membership(
             self.queue, self._info, settings.heartbeat_s, ttl_s, after_beat=self.catch_up

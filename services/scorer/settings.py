@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from mempo.api.scorer import AliasPolicy
-from mempo.settings import ServiceSettings
+from mempo.settings import RedisSettings
 
 
-class ScorerSettings(ServiceSettings):
+class ScorerSettings(RedisSettings):
     model_config = SettingsConfigDict(
         env_prefix="MEMPO_SCORER_",
         extra="ignore",
@@ -73,15 +73,9 @@ class ScorerSettings(ServiceSettings):
     (a turn), even alone; its remaining rows queue behind the other requests' turns, so a
     request that comes later waits for one batch of turns, not for a whole budget of one."""
 
-    redis_url: str | None = None
-    """Redis to register with (role scorer) and to read the policy pointer from. Unset: none."""
-
-    redis_password: SecretStr | None = None
-    """Redis password, kept out of redis_url (any characters; a password in the URL must be
-    URL-quoted)."""
-
-    key_prefix: str = "mempo:"
-    """Key prefix of the run in Redis."""
+    redis_url: str | None = None  # type: ignore[assignment]
+    """Redis to register with (role scorer) and to read the policy pointer from. Unset: none
+    (a scorer of its own, updated by hand)."""
 
     engine_id: str | None = None
     """Registry id. Unset: scorer-<hostname>-<port>."""
