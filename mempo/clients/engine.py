@@ -26,17 +26,14 @@ from typing import Any
 import httpx
 
 from mempo.api.engine import GenerateResponse, ModelInfo, UpdateWeightsResponse
-from mempo.retry import Backoff, RetryableStatus, is_retryable_status, request, retry_async
+from mempo.clients.base import ServiceClient, ServiceError
+from mempo.retry import Backoff, RetryableStatus, is_retryable_status, retry_async
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(Exception):
+class EngineError(ServiceError):
     """The engine refused the request (4xx) or answered something unreadable."""
-
-    def __init__(self, message: str, status_code: int | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 class ContextExceeded(EngineError):
@@ -70,14 +67,6 @@ def _error_message(response: httpx.Response) -> str:
     return response.text[:500]
 
 
-def raise_for_engine(path: str, response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    message = _error_message(response)
-    text = f"{path}: HTTP {response.status_code}: {message}"
-    if response.status_code == 400 and any(p in message.lower() for p in _CONTEXT_PHRASES):
-        raise ContextExceeded(text, 400)
-    raise EngineError(text, response.status_code)
 
 
 @dataclass(frozen=True)
@@ -131,7 +120,9 @@ def parse_generation(raw: dict[str, Any]) -> Generation:
     )
 
 
-class EngineClient:
+class EngineClient(ServiceClient):
+    error = EngineError
+
     def __init__(
         self,
         base_url: str,
@@ -143,63 +134,34 @@ class EngineClient:
         backoff_base_s: float = 0.5,
         backoff_cap_s: float = 5.0,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.admin_token = admin_token
-        self.attempts = attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_cap_s = backoff_cap_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._own_client = client is None
-        self.http = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            headers=headers,
+        super().__init__(
+            base_url,
+            timeout_s=timeout_s,
+            attempts=attempts,
+            backoff=Backoff(base=backoff_base_s, cap=backoff_cap_s),
+            client=client,
+            connect_timeout_s=10.0,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
-
-    async def aclose(self) -> None:
-        if self._own_client:
-            await self.http.aclose()
-
-    async def __aenter__(self) -> EngineClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self.admin_token = admin_token
 
     def _admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
-    def _backoff(self) -> Backoff:
-        return Backoff(base=self.backoff_base_s, cap=self.backoff_cap_s)
-
-    async def _send(
-        self, method: str, path: str, attempts: int | None = None, **kwargs: Any
-    ) -> httpx.Response:
-        """One call with retries; 5xx/429 still failing after the last attempt -> EngineError."""
-        try:
-            return await request(
-                self.http,
-                method,
-                f"{self.base_url}{path}",
-                attempts=attempts or self.attempts,
-                backoff=self._backoff(),
-                **kwargs,
-            )
-        except RetryableStatus as exc:
-            raise EngineError(
-                f"{path}: HTTP {exc.response.status_code}: {_error_message(exc.response)}",
-                exc.response.status_code,
-            ) from exc
-
-    async def _get(self, path: str) -> httpx.Response:
-        return await self._send("GET", path)
+    def _error(self, path: str, response: httpx.Response) -> EngineError:
+        """SGLang's error bodies read; a prompt too long for the context: ContextExceeded."""
+        message = _error_message(response)
+        text = f"{path}: HTTP {response.status_code}: {message}"
+        if response.status_code == 400 and any(p in message.lower() for p in _CONTEXT_PHRASES):
+            return ContextExceeded(text, 400)
+        return EngineError(text, response.status_code)
 
     async def _post(
         self, path: str, body: dict[str, Any], admin: bool = False, attempts: int | None = None
     ) -> Any:
         headers = self._admin_headers() if admin else None
-        response = await self._send("POST", path, attempts, json=body, headers=headers)
-        raise_for_engine(path, response)
+        response = await self._call("POST", path, attempts, json=body, headers=headers)
         try:
             return response.json()
         except ValueError:
@@ -247,14 +209,12 @@ class EngineClient:
 
         try:
             response = await retry_async(
-                once, self.attempts, self._backoff(), what=f"POST {self.base_url}/generate"
+                once, self.attempts, self.backoff, what=f"POST {self.base_url}/generate"
             )
         except RetryableStatus as exc:
-            raise EngineError(
-                f"/generate: HTTP {exc.response.status_code}: {_error_message(exc.response)}",
-                exc.response.status_code,
-            ) from exc
-        raise_for_engine("/generate", response)
+            raise self._error("/generate", exc.response) from exc
+        if response.status_code >= 400:
+            raise self._error("/generate", response)
         try:
             return response.json()
         except ValueError as exc:
@@ -263,20 +223,22 @@ class EngineClient:
     async def model_info(self) -> ModelInfo:
         """``/model_info`` (SGLang >= 0.5.x), else the older ``/get_model_info``."""
         for path in ("/model_info", "/get_model_info"):
-            response = await self._get(path)
+            response = await self._send("GET", path)
             if response.status_code == 404:
                 continue
-            raise_for_engine(path, response)
+            if response.status_code >= 400:
+                raise self._error(path, response)
             return ModelInfo.model_validate(response.json())
         raise EngineError("the engine has neither /model_info nor /get_model_info", 404)
 
     async def server_info(self) -> dict[str, Any]:
         """``/server_info``, else ``/get_server_info``; {} when the engine has neither."""
         for path in ("/server_info", "/get_server_info"):
-            response = await self._get(path)
+            response = await self._send("GET", path)
             if response.status_code == 404:
                 continue
-            raise_for_engine(path, response)
+            if response.status_code >= 400:
+                raise self._error(path, response)
             return dict(response.json())
         return {}
 

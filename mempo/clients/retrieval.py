@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from mempo.agent_format import format_documents
-from mempo.api.retrieval import RetrievalInfo
-from mempo.retry import Backoff, request
+from mempo.api.retrieval import RetrievalInfo, RetrieveResponse, ScoredDocument
+from mempo.clients.base import ServiceClient, ServiceError
+from mempo.retry import Backoff
 
 
-class RetrievalError(Exception):
+class RetrievalError(ServiceError):
     pass
 
 
-class RetrievalClient:
+class RetrievalClient(ServiceClient):
+    error = RetrievalError
+
     def __init__(
         self,
         url: str,
@@ -26,47 +29,41 @@ class RetrievalClient:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         """``url`` is the service's base URL or its full ``.../retrieve`` URL."""
-        base = url.rstrip("/")
-        self.url = base if base.endswith("/retrieve") else f"{base}/retrieve"
+        super().__init__(
+            url.rstrip("/").removesuffix("/retrieve"),
+            timeout_s=timeout_s,
+            attempts=attempts,
+            backoff=Backoff(base=0.2, cap=5.0),
+            client=client,
+        )
         self.topk = topk
-        self.attempts = attempts
-        self._own_client = client is None
-        self.http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
-    async def aclose(self) -> None:
-        if self._own_client:
-            await self.http.aclose()
+    def _error(self, path: str, response: httpx.Response) -> ServiceError:
+        return RetrievalError(
+            f"retrieval: HTTP {response.status_code}: {response.text[:300]}", response.status_code
+        )
 
     async def retrieve(
         self, queries: Sequence[str], topk: int | None = None
-    ) -> list[list[dict[str, Any]]]:
-        """Per query, ``[{"document": {"id", "contents"}, "score"}]`` best first."""
+    ) -> list[list[ScoredDocument]]:
+        """Per query, its documents with their scores, best first."""
         body = {"queries": list(queries), "topk": topk or self.topk, "return_scores": True}
-        response = await request(
-            self.http,
-            "POST",
-            self.url,
-            json=body,
-            attempts=self.attempts,
-            backoff=Backoff(base=0.2, cap=5.0),
-        )
-        if response.status_code >= 400:
-            raise RetrievalError(f"retrieval: HTTP {response.status_code}: {response.text[:300]}")
-        result = response.json().get("result")
-        if not isinstance(result, list) or len(result) != len(queries):
-            raise RetrievalError("retrieval: the response has no result list per query")
-        return result
+        response = await self._call("POST", "/retrieve", json=body)
+        try:
+            result = RetrieveResponse.model_validate_json(response.content).result
+        except ValidationError as exc:
+            raise RetrievalError(f"retrieval: unreadable response: {str(exc)[:300]}") from exc
+        if len(result) != len(queries) or not all(
+            isinstance(doc, ScoredDocument) for hits in result for doc in hits
+        ):
+            raise RetrievalError("retrieval: the response has no scored result list per query")
+        return result  # type: ignore[return-value]
 
     async def info(self) -> RetrievalInfo:
         """The service's ``GET /v1/info`` (ours only: Search-R1's server has no such route)."""
-        url = self.url.removesuffix("/retrieve") + "/v1/info"
-        response = await request(
-            self.http, "GET", url, attempts=self.attempts, backoff=Backoff(base=0.2, cap=5.0)
-        )
-        if response.status_code >= 400:
-            raise RetrievalError(f"retrieval: HTTP {response.status_code}: {response.text[:300]}")
-        return RetrievalInfo.model_validate(response.json())
+        return RetrievalInfo.model_validate((await self._call("GET", "/v1/info")).json())
 
     async def search(self, query: str, topk: int | None = None) -> str:
         """One query, formatted as the body of the <information> block (Search-R1 style)."""
-        return format_documents((await self.retrieve([query], topk))[0])
+        hits = (await self.retrieve([query], topk))[0]
+        return format_documents([hit.model_dump() for hit in hits])

@@ -15,16 +15,17 @@ from mempo.api.scorer import (
     ScoreRequest,
     ScoreResponse,
 )
-from mempo.retry import Backoff, request
+from mempo.clients.base import ServiceClient, ServiceError
+from mempo.retry import Backoff
 
 
-class ScorerError(Exception):
-    def __init__(self, message: str, status_code: int | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+class ScorerError(ServiceError):
+    pass
 
 
-class ScorerClient:
+class ScorerClient(ServiceClient):
+    error = ScorerError
+
     def __init__(
         self,
         base_url: str,
@@ -32,29 +33,18 @@ class ScorerClient:
         attempts: int = 5,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.attempts = attempts
-        self._own_client = client is None
-        self.http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
-
-    async def aclose(self) -> None:
-        if self._own_client:
-            await self.http.aclose()
+        super().__init__(
+            base_url,
+            timeout_s=timeout_s,
+            attempts=attempts,
+            backoff=Backoff(base=0.5, cap=10.0),
+            client=client,
+        )
 
     async def _post(self, path: str, body: str) -> str:
-        response = await request(
-            self.http,
-            "POST",
-            f"{self.base_url}{path}",
-            content=body,
-            headers={"content-type": "application/json"},
-            attempts=self.attempts,
-            backoff=Backoff(base=0.5, cap=10.0),
+        response = await self._call(
+            "POST", path, content=body, headers={"content-type": "application/json"}
         )
-        if response.status_code >= 400:
-            raise ScorerError(
-                f"{path}: HTTP {response.status_code}: {response.text[:300]}", response.status_code
-            )
         return response.text
 
     async def memory_scores(
