@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar, get_args
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mempo.keys import Keys
@@ -77,6 +79,74 @@ class RedisSettings(ServiceSettings):
 
     def redis_password_value(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None
+
+
+S = TypeVar("S", bound=BaseSettings)
+# A typer command whose options are its settings' (settings_from_args reads ctx.args).
+SETTINGS_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def settings_from_args(
+    cls: type[S], args: Sequence[str], prog: str, aliases: Mapping[str, str] | None = None
+) -> S:
+    """``cls`` read from the environment, with ``args`` over it: every plain setting is an
+    option (``--model-path x``, ``--model-path=x``); secrets and nested blocks (the
+    learner's trainer) come from the environment only. ``--help`` lists them with their
+    docstrings; ``aliases`` adds option names (``{"index": "index_path"}``). An unknown
+    option or a bad value exits 2 with a message naming it."""
+    import click
+    from pydantic import ValidationError
+
+    extra = dict(aliases or {})
+    params: list[click.Parameter] = [
+        click.Option(
+            [name, f"--{name.replace('_', '-')}", *(f"--{a}" for a, to in extra.items() if to == name)],
+            help=(field.description or "").split("\n\n")[0] + _default(field.default),
+            metavar=_metavar(field.annotation),
+        )
+        for name, field in cls.model_fields.items()
+        if _on_command_line(field.annotation)
+    ]
+    env = str(cls.model_config.get("env_prefix", ""))
+    command = click.Command(
+        prog, params=params, help=f"Every option is also the variable {env}<NAME>; options win."
+    )
+    try:
+        with command.make_context(prog, list(args)) as ctx:
+            given = {name: value for name, value in ctx.params.items() if value is not None}
+    except click.exceptions.Exit as exc:  # --help
+        raise SystemExit(exc.exit_code) from None
+    except click.ClickException as exc:  # an unknown option, a missing value
+        exc.show()
+        raise SystemExit(2) from None
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "settings"
+        fail(f"{where}: {err['msg']}")
+        raise  # fail() exits
+
+
+def _default(value: Any) -> str:
+    return "" if value is None or value is PydanticUndefined else f"  [default: {value}]"
+
+
+def _metavar(annotation: Any) -> str:
+    kinds = set(get_args(annotation) or (annotation,)) - {type(None)}
+    names = {int: "INTEGER", float: "FLOAT", bool: "BOOLEAN"}
+    return names.get(next(iter(kinds)), "TEXT") if len(kinds) == 1 else "TEXT"
+
+
+def _on_command_line(annotation: Any) -> bool:
+    """Not a secret (it would show in ps) and not a nested block."""
+    from pydantic import BaseModel
+
+    kinds = get_args(annotation) or (annotation,)
+    return not any(
+        kind is SecretStr or (isinstance(kind, type) and issubclass(kind, BaseModel))
+        for kind in kinds
+    )
 
 
 def fail(message: str) -> None:

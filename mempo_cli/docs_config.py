@@ -143,6 +143,10 @@ def render() -> str:
         "string (an error for a number). A value outside its range stops the "
         "service at start-up with a message naming the field.",
         "",
+        "Every setting that is not a secret or a nested block is also an option of the "
+        "service's command, which wins over the variable (`mempo scorer serve --max-queue 512`; "
+        "`--help` lists them; mempo.settings.settings_from_args).",
+        "",
         "For the docker compose deployment, `.env` variables and what they feed are in "
         "[operations.md](operations.md).",
         "",

@@ -6,51 +6,25 @@ from pathlib import Path
 
 import typer
 
+from mempo.settings import SETTINGS_ARGS
+
 app = typer.Typer(help="The learner service.", no_args_is_help=True)
 
 
-@app.command("serve")
-def serve_learner(
-    port: int | None = typer.Option(None, help="HTTP port (default 8004, MEMPO_LEARNER_PORT)"),
-    host: str | None = typer.Option(None, help="interface to bind (MEMPO_LEARNER_HOST)"),
-    redis_url: str | None = typer.Option(None, help="MEMPO_LEARNER_REDIS_URL"),
-    model_path: str | None = typer.Option(None, help="initial policy (MEMPO_LEARNER_MODEL_PATH)"),
-    run_dir: str | None = typer.Option(
-        None, help="metrics.jsonl, checkpoints (MEMPO_LEARNER_RUN_DIR)"
-    ),
-    weights_root: str | None = typer.Option(
-        None, help="published versions (MEMPO_LEARNER_WEIGHTS_ROOT)"
-    ),
-    total_steps: int | None = typer.Option(
-        None, help="0 trains forever (MEMPO_LEARNER_TOTAL_STEPS)"
-    ),
-) -> None:
+@app.command("serve", context_settings=SETTINGS_ARGS)
+def serve_learner(ctx: typer.Context) -> None:
     """Serve the learner: the training loop in the background, its status over HTTP.
 
-    Every setting is also read from MEMPO_LEARNER_* environment variables (the trainer's
-    as MEMPO_LEARNER_TRAINER__<FIELD>). Exits 1 when the training loop failed. Under
-    torchrun (WORLD_SIZE > 1) rank 0 serves and drives the loop; the other ranks follow."""
-    from pydantic import ValidationError
-
-    from mempo.settings import fail, quiet_hub, serve
+    Every setting is an option (--model-path, --run-dir, --total-steps, ...; --help lists
+    them) and a MEMPO_LEARNER_<NAME> variable, options winning; the trainer's only as
+    MEMPO_LEARNER_TRAINER__<FIELD>. Exits 1 when the training loop failed. Under torchrun
+    (WORLD_SIZE > 1) rank 0 serves and drives the loop; the other ranks follow."""
+    from mempo.settings import quiet_hub, serve, settings_from_args
     from services.learner.app import create_app
     from services.learner.settings import LearnerSettings
 
     quiet_hub()
-    given = {
-        "port": port,
-        "host": host,
-        "redis_url": redis_url,
-        "model_path": model_path,
-        "run_dir": run_dir,
-        "weights_root": weights_root,
-        "total_steps": total_steps,
-    }
-    try:
-        settings = LearnerSettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        fail(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")
+    settings = settings_from_args(LearnerSettings, ctx.args, "mempo learner serve")
     if follower_rank():  # torchrun rank > 0: train rank 0's batches, no Redis, no HTTP
         from mempo.settings import configure_logging
         from services.learner.trainer import Trainer

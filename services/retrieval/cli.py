@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from mempo.settings import fail
+from mempo.settings import SETTINGS_ARGS, fail
 
 if TYPE_CHECKING:
     from services.retrieval.dense import IndexKind
@@ -20,39 +20,19 @@ DENSE_KINDS = ("auto", "flat", "hnsw")
 PROGRESS_STEP = 1 << 20  # bytes between progress bar refreshes
 
 
-@app.command("serve")
-def serve_command(
-    index: Annotated[
-        Path | None, typer.Option(help="index folder (unset: the built-in world, in memory)")
-    ] = None,
-    backend: Annotated[str | None, typer.Option(help="bm25 | dense | hybrid")] = None,
-    host: Annotated[str | None, typer.Option()] = None,
-    port: Annotated[int | None, typer.Option()] = None,
-) -> None:
-    """Serve POST /retrieve. Settings come from MEMPO_RETRIEVAL_* variables; options win."""
-    from pydantic import ValidationError
-
-    from mempo.settings import quiet_hub, serve
+@app.command("serve", context_settings=SETTINGS_ARGS)
+def serve_command(ctx: typer.Context) -> None:
+    """Serve POST /retrieve: every setting is an option (--index for index_path,
+    --backend, ...; --help lists them) and a MEMPO_RETRIEVAL_<NAME> variable; options win."""
+    from mempo.settings import quiet_hub, serve, settings_from_args
     from services.retrieval.app import create_app
     from services.retrieval.settings import RetrievalSettings
 
-    overrides: dict[str, Any] = {
-        name: value
-        for name, value in (
-            ("index_path", index),
-            ("backend", backend),
-            ("host", host),
-            ("port", port),
-        )
-        if value is not None
-    }
-    if index is not None and not index.is_dir():
-        fail(f"--index {index} is not a folder")
-    try:
-        settings = RetrievalSettings(**overrides)
-    except ValidationError as exc:
-        fail(str(exc))
-        return
+    settings = settings_from_args(
+        RetrievalSettings, ctx.args, "mempo retrieval serve", aliases={"index": "index_path"}
+    )
+    if settings.index_path is not None and not Path(settings.index_path).is_dir():
+        fail(f"--index {settings.index_path} is not a folder")
     quiet_hub()
     serve(create_app(settings), settings)
 

@@ -139,3 +139,57 @@ def test_a_variable_that_names_no_setting_is_reported_with_the_closest_name() ->
         "MEMPO_LEARNER_DRAIN_S (did you mean MEMPO_LEARNER_DRAIN_TIMEOUT_S?)",
         "MEMPO_LEARNER_FROBNICATE",
     ]
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_every_plain_setting_is_an_option_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mempo.settings import settings_from_args
+    from services.scorer.settings import ScorerSettings
+
+    monkeypatch.setenv("MEMPO_SCORER_PORT", "9001")
+    monkeypatch.setenv("MEMPO_SCORER_DEVICE", "cpu")
+    settings = settings_from_args(ScorerSettings, ["--port=9002", "--max-batch-share", "0.5"], "p")
+    assert (settings.port, settings.max_batch_share, settings.device) == (9002, 0.5, "cpu")
+    with pytest.raises(SystemExit) as exited:
+        settings_from_args(ScorerSettings, ["--help"], "mempo scorer serve")
+    shown = capsys.readouterr().out
+    assert exited.value.code == 0 and "--model-path" in shown and "MEMPO_SCORER_<NAME>" in shown
+    assert "--admin-token" not in shown  # secrets only from the environment (ps shows argv)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prot", "1"], "No such option '--prot'"),
+        (["--port", "x"], "port: Input should be a valid integer"),
+    ],
+)
+def test_a_bad_option_exits_2_naming_it(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mempo.settings import settings_from_args
+    from services.rollout.engine.settings import EngineSettings
+
+    with pytest.raises(SystemExit) as exited:
+        settings_from_args(EngineSettings, args, "mempo rollout engine")
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_alias_and_the_nested_trainer_block_stays_off_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mempo.settings import settings_from_args
+    from services.learner.settings import LearnerSettings
+    from services.retrieval.settings import RetrievalSettings
+
+    assert settings_from_args(
+        RetrievalSettings, ["--index", "/x"], "r", {"index": "index_path"}
+    ).index_path
+    with pytest.raises(SystemExit):
+        settings_from_args(LearnerSettings, ["--help"], "mempo learner serve")
+    shown = capsys.readouterr().out
+    assert "--total-steps" in shown and "--questions-per-task" in shown and "--trainer" not in shown
