@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, TypeVar
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.agent_format import Tokenizer
 from mempo.api.engine import (
@@ -88,6 +88,116 @@ def get_worker(request: Request) -> RolloutWorker:
 WorkerDep = Annotated[RolloutWorker, Depends(get_worker)]
 
 
+router = APIRouter()  # declarative routes; the worker comes from app.state
+
+
+@router.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])
+async def status(worker: WorkerDep) -> WorkerStatus:
+    """What the worker is doing: readiness, versions, in-flight work, counters."""
+    await worker.check_redis()
+    return worker.status()
+
+
+@router.post(
+    "/update_weights_from_disk",
+    response_model=UpdateWeightsResponse,
+    tags=["admin"],
+    responses={502: {"model": ErrorBody}},
+)
+async def update_weights_from_disk(
+    body: UpdateWeightsFromDiskRequest, worker: WorkerDep, _: AdminDep
+) -> UpdateWeightsResponse:
+    """Load published weights into this replica's engine (the learner's weight push).
+
+    The engine is not reachable from outside the replica; this route, guarded by the
+    worker's own admin token, forwards to it with the engine's key. An engine's 4xx
+    answer is passed on; an engine that cannot be reached is 502."""
+    if body.weight_version is None:
+        raise BadInput("weight_version: required (the worker tracks its engine's version)")
+    engine = worker.upstreams.engine
+    update = engine.update_weights_from_disk(
+        body.model_path, body.weight_version, body.abort_all_requests
+    )
+    return await _to_engine(worker.update_engine(update, body.weight_version))
+
+
+# The learner's weight broadcast (services/learner/broadcast.py), forwarded likewise:
+# the engine joins the learner's group itself, its tensors never pass through here.
+@router.post("/pause_generation", response_model=ControlResponse, tags=["admin"])
+async def pause_generation(
+    worker: WorkerDep, _: AdminDep, body: PauseRequest | None = None
+) -> ControlResponse:
+    """Pause this replica's engine (around a weight broadcast)."""
+    mode = (body or PauseRequest()).mode
+    await _to_engine(worker.upstreams.engine.pause_generation(mode))
+    return ControlResponse(message="Generation paused successfully.")
+
+
+@router.post("/continue_generation", response_model=ControlResponse, tags=["admin"])
+async def continue_generation(
+    worker: WorkerDep, _: AdminDep, body: ContinueRequest | None = None
+) -> ControlResponse:
+    await _to_engine(worker.upstreams.engine.continue_generation())
+    return ControlResponse(message="Generation continued successfully.")
+
+
+@router.post("/init_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"])
+async def init_weights_update_group(
+    body: InitWeightsUpdateGroupRequest, worker: WorkerDep, _: AdminDep
+) -> UpdateWeightsResponse:
+    """Have this replica's engine join the learner's weight group."""
+    engine = worker.upstreams.engine
+    return await _to_engine(engine.init_weights_update_group(**body.model_dump()))
+
+
+@router.post(
+    "/update_weights_from_distributed", response_model=UpdateWeightsResponse, tags=["admin"]
+)
+async def update_weights_from_distributed(
+    body: UpdateWeightsFromDistributedRequest, worker: WorkerDep, _: AdminDep
+) -> UpdateWeightsResponse:
+    """The next bucket of a weight broadcast; its version is this replica's once loaded."""
+    update = worker.upstreams.engine.update_weights_from_distributed(
+        body.names, body.dtypes, body.shapes, body.weight_version, body.group_name,
+        body.load_format,
+    )  # fmt: skip
+    return await _to_engine(worker.update_engine(update, body.weight_version))
+
+
+@router.post("/destroy_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"])
+async def destroy_weights_update_group(
+    worker: WorkerDep, _: AdminDep, body: DestroyWeightsUpdateGroupRequest | None = None
+) -> UpdateWeightsResponse:
+    name = (body or DestroyWeightsUpdateGroupRequest()).group_name
+    return await _to_engine(worker.upstreams.engine.destroy_weights_update_group(name))
+
+
+@router.post(
+    "/v1/episodes",
+    response_model=Group,
+    tags=["rollout"],
+    responses={502: {"model": ErrorBody}, 503: {"model": ErrorBody}},
+)
+async def episodes(body: EpisodesRequest, worker: WorkerDep, request: Request) -> Group:
+    """Run one task's n episodes now and return its Group (not published to Redis).
+    task.n and task.max_rounds are capped (413 beyond); a client that disconnects
+    cancels its episodes."""
+    task = body.task
+    for field, value, cap in (
+        ("n", task.n, worker.settings.episodes_max_n),
+        ("max_rounds", task.max_rounds, worker.settings.episodes_max_rounds),
+    ):
+        if value > cap:
+            limit = f"the limit of {cap} (episodes_max_{field})"
+            raise TooLarge(f"task.{field}: {value} exceeds {limit}")
+    try:
+        return await cancel_on_disconnect(request, worker.run_task(task, score=body.score))
+    except NotBooted as exc:
+        raise NotReady(f"the worker is not ready: {exc}") from exc
+    except UPSTREAM_ERRORS as exc:
+        raise Upstream(f"{type(exc).__name__}: {exc}") from exc
+
+
 def create_app(
     settings: WorkerSettings | None = None,
     upstreams: Upstreams | None = None,
@@ -100,7 +210,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         clients = upstreams or Upstreams.from_settings(settings)
-        redis = connect(settings.redis_url, settings.redis_password_value()) if settings.redis_url else None
+        redis = (
+            connect(settings.redis_url, settings.redis_password_value())
+            if settings.redis_url
+            else None
+        )
         queue = (
             RedisQueue(
                 redis,
@@ -134,105 +248,5 @@ def create_app(
 
     install_common(app, "rollout", metrics.metrics, ready, settings)
 
-    @app.get("/v1/status", response_model=WorkerStatus, tags=["rollout"])
-    async def status(worker: WorkerDep) -> WorkerStatus:
-        """What the worker is doing: readiness, versions, in-flight work, counters."""
-        await worker.check_redis()
-        return worker.status()
-
-    @app.post(
-        "/update_weights_from_disk",
-        response_model=UpdateWeightsResponse,
-        tags=["admin"],
-        responses={502: {"model": ErrorBody}},
-    )
-    async def update_weights_from_disk(
-        body: UpdateWeightsFromDiskRequest, worker: WorkerDep, _: AdminDep
-    ) -> UpdateWeightsResponse:
-        """Load published weights into this replica's engine (the learner's weight push).
-
-        The engine is not reachable from outside the replica; this route, guarded by the
-        worker's own admin token, forwards to it with the engine's key. An engine's 4xx
-        answer is passed on; an engine that cannot be reached is 502."""
-        if body.weight_version is None:
-            raise BadInput("weight_version: required (the worker tracks its engine's version)")
-        engine = worker.upstreams.engine
-        update = engine.update_weights_from_disk(
-            body.model_path, body.weight_version, body.abort_all_requests
-        )
-        return await _to_engine(worker.update_engine(update, body.weight_version))
-
-    # The learner's weight broadcast (services/learner/broadcast.py), forwarded likewise:
-    # the engine joins the learner's group itself, its tensors never pass through here.
-    @app.post("/pause_generation", response_model=ControlResponse, tags=["admin"])
-    async def pause_generation(
-        worker: WorkerDep, _: AdminDep, body: PauseRequest | None = None
-    ) -> ControlResponse:
-        """Pause this replica's engine (around a weight broadcast)."""
-        mode = (body or PauseRequest()).mode
-        await _to_engine(worker.upstreams.engine.pause_generation(mode))
-        return ControlResponse(message="Generation paused successfully.")
-
-    @app.post("/continue_generation", response_model=ControlResponse, tags=["admin"])
-    async def continue_generation(
-        worker: WorkerDep, _: AdminDep, body: ContinueRequest | None = None
-    ) -> ControlResponse:
-        await _to_engine(worker.upstreams.engine.continue_generation())
-        return ControlResponse(message="Generation continued successfully.")
-
-    @app.post("/init_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"])
-    async def init_weights_update_group(
-        body: InitWeightsUpdateGroupRequest, worker: WorkerDep, _: AdminDep
-    ) -> UpdateWeightsResponse:
-        """Have this replica's engine join the learner's weight group."""
-        engine = worker.upstreams.engine
-        return await _to_engine(engine.init_weights_update_group(**body.model_dump()))
-
-    @app.post(
-        "/update_weights_from_distributed", response_model=UpdateWeightsResponse, tags=["admin"]
-    )
-    async def update_weights_from_distributed(
-        body: UpdateWeightsFromDistributedRequest, worker: WorkerDep, _: AdminDep
-    ) -> UpdateWeightsResponse:
-        """The next bucket of a weight broadcast; its version is this replica's once loaded."""
-        update = worker.upstreams.engine.update_weights_from_distributed(
-            body.names, body.dtypes, body.shapes, body.weight_version, body.group_name,
-            body.load_format,
-        )  # fmt: skip
-        return await _to_engine(worker.update_engine(update, body.weight_version))
-
-    @app.post(
-        "/destroy_weights_update_group", response_model=UpdateWeightsResponse, tags=["admin"]
-    )
-    async def destroy_weights_update_group(
-        worker: WorkerDep, _: AdminDep, body: DestroyWeightsUpdateGroupRequest | None = None
-    ) -> UpdateWeightsResponse:
-        name = (body or DestroyWeightsUpdateGroupRequest()).group_name
-        return await _to_engine(worker.upstreams.engine.destroy_weights_update_group(name))
-
-    @app.post(
-        "/v1/episodes",
-        response_model=Group,
-        tags=["rollout"],
-        responses={502: {"model": ErrorBody}, 503: {"model": ErrorBody}},
-    )
-    async def episodes(body: EpisodesRequest, worker: WorkerDep, request: Request) -> Group:
-        """Run one task's n episodes now and return its Group (not published to Redis).
-        task.n and task.max_rounds are capped (413 beyond); a client that disconnects
-        cancels its episodes."""
-        task = body.task
-        for field, value, cap in (
-            ("n", task.n, settings.episodes_max_n),
-            ("max_rounds", task.max_rounds, settings.episodes_max_rounds),
-        ):
-            if value > cap:
-                limit = f"the limit of {cap} (episodes_max_{field})"
-                raise TooLarge(f"task.{field}: {value} exceeds {limit}")
-        try:
-            return await cancel_on_disconnect(request, worker.run_task(task, score=body.score))
-        except NotBooted as exc:
-            raise NotReady(f"the worker is not ready: {exc}") from exc
-        except UPSTREAM_ERRORS as exc:
-            raise Upstream(f"{type(exc).__name__}: {exc}") from exc
-
+    app.include_router(router)
     return app

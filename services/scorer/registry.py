@@ -49,7 +49,9 @@ class Registration:
         self.id = engine_id(settings)
         self.url = public_url(settings)
         self.started_at = time.time()
-        self.queue = RedisQueue(connect(settings.redis_url, settings.redis_password_value()), settings.keys())
+        self.queue = RedisQueue(
+            connect(settings.redis_url, settings.redis_password_value()), settings.keys()
+        )
         ttl_s = max(1, round(3 * settings.heartbeat_s))
         self.membership = Membership(
             self.queue, self._info, settings.heartbeat_s, ttl_s, after_beat=self.catch_up
