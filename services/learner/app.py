@@ -17,8 +17,9 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.api.learner import LearnerStatus, LoopState
 from mempo.queue import REDIS_ERRORS, RedisQueue, connect
@@ -102,6 +103,37 @@ class Training:
         return True, None
 
 
+def get_training(request: Request) -> Training:
+    running: Training | None = getattr(request.app.state, "training", None)
+    if running is None:
+        raise NotReady("the learner is starting")
+    return running
+
+
+TrainingDep = Annotated[Training, Depends(get_training)]
+router = APIRouter()  # declarative routes; the training loop comes from app.state
+
+
+@router.get("/v1/status", response_model=LearnerStatus, tags=["learner"])
+async def status(running: TrainingDep) -> LearnerStatus:
+    """Step, version, tasks admitted, groups consumed and dropped, the last metrics."""
+    try:
+        return await _status(running)
+    except REDIS_ERRORS as exc:  # right after Redis restarts a pooled connection can fail once
+        log.info("GET /v1/status: %s from Redis; trying once more", type(exc).__name__)
+    await asyncio.sleep(0.2)
+    try:
+        return await _status(running)
+    except REDIS_ERRORS as exc:
+        raise NotReady(f"Redis unreachable: {type(exc).__name__}") from exc
+
+
+async def _status(running: Training) -> LearnerStatus:
+    return await learner_status(
+        running.queue, running.settings, running.loop, running.state, running.error
+    )
+
+
 def create_app(settings: LearnerSettings | None = None) -> FastAPI:
     settings = settings or LearnerSettings()
     metrics = LearnerMetrics()
@@ -126,34 +158,10 @@ def create_app(settings: LearnerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="MemPO learner", version="1", lifespan=lifespan)
 
-    def training() -> Training:
-        running: Training | None = getattr(app.state, "training", None)
-        if running is None:
-            raise NotReady("the learner is starting")
-        return running
-
     async def ready() -> tuple[bool, str | None]:
         running: Training | None = getattr(app.state, "training", None)
         return (False, "starting") if running is None else await running.ready()
 
     install_common(app, "learner", metrics, ready, settings)
-
-    @app.get("/v1/status", response_model=LearnerStatus, tags=["learner"])
-    async def status() -> LearnerStatus:
-        """Step, version, tasks admitted, groups consumed and dropped, the last metrics."""
-        running = training()
-        try:
-            return await learner_status(
-                running.queue, settings, running.loop, running.state, running.error
-            )
-        except REDIS_ERRORS as exc:  # right after Redis restarts a pooled connection can fail once
-            log.info("GET /v1/status: %s from Redis; trying once more", type(exc).__name__)
-        await asyncio.sleep(0.2)
-        try:
-            return await learner_status(
-                running.queue, settings, running.loop, running.state, running.error
-            )
-        except REDIS_ERRORS as exc:
-            raise NotReady(f"Redis unreachable: {type(exc).__name__}") from exc
-
+    app.include_router(router)
     return app
