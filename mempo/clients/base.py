@@ -16,7 +16,7 @@ import httpx
 from mempo.retry import Backoff, RetryableStatus, request
 
 
-class ServiceError(Exception):
+class RemoteError(Exception):
     """A service refused a call, or answered 5xx / 429 after the last attempt."""
 
     def __init__(self, message: str, status_code: int | None = None) -> None:
@@ -27,7 +27,7 @@ class ServiceError(Exception):
 class ServiceClient:
     """Base of the typed clients (engine, scorer, retrieval)."""
 
-    error: ClassVar[type[ServiceError]] = ServiceError
+    error: ClassVar[type[RemoteError]] = RemoteError
 
     def __init__(
         self,
@@ -60,7 +60,7 @@ class ServiceClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _error(self, path: str, response: httpx.Response) -> ServiceError:
+    def _error(self, path: str, response: httpx.Response) -> RemoteError:
         """The client's error for a failed response (subclasses read their bodies)."""
         return self.error(
             f"{path}: HTTP {response.status_code}: {response.text[:300]}", response.status_code

@@ -26,13 +26,13 @@ from typing import Any
 import httpx
 
 from mempo.api.engine import GenerateResponse, ModelInfo, UpdateWeightsResponse
-from mempo.clients.base import ServiceClient, ServiceError
+from mempo.clients.base import RemoteError, ServiceClient
 from mempo.retry import Backoff, RetryableStatus, is_retryable_status, retry_async
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(ServiceError):
+class EngineError(RemoteError):
     """The engine refused the request (4xx) or answered something unreadable."""
 
 

@@ -9,11 +9,11 @@ from pydantic import ValidationError
 
 from mempo.agent_format import format_documents
 from mempo.api.retrieval import RetrievalInfo, RetrieveResponse, ScoredDocument
-from mempo.clients.base import ServiceClient, ServiceError
+from mempo.clients.base import RemoteError, ServiceClient
 from mempo.retry import Backoff
 
 
-class RetrievalError(ServiceError):
+class RetrievalError(RemoteError):
     pass
 
 
@@ -38,7 +38,7 @@ class RetrievalClient(ServiceClient):
         )
         self.topk = topk
 
-    def _error(self, path: str, response: httpx.Response) -> ServiceError:
+    def _error(self, path: str, response: httpx.Response) -> RemoteError:
         return RetrievalError(
             f"retrieval: HTTP {response.status_code}: {response.text[:300]}", response.status_code
         )

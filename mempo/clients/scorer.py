@@ -15,11 +15,11 @@ from mempo.api.scorer import (
     ScoreRequest,
     ScoreResponse,
 )
-from mempo.clients.base import ServiceClient, ServiceError
+from mempo.clients.base import RemoteError, ServiceClient
 from mempo.retry import Backoff
 
 
-class ScorerError(ServiceError):
+class ScorerError(RemoteError):
     pass
 
 

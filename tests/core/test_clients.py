@@ -8,7 +8,7 @@ import pytest
 
 from mempo.api.retrieval import ScoredDocument
 from mempo.api.scorer import ScoreItem
-from mempo.clients.base import ServiceError
+from mempo.clients.base import RemoteError
 from mempo.clients.engine import ContextExceeded, EngineClient, EngineError
 from mempo.clients.retrieval import RetrievalClient, RetrievalError
 from mempo.clients.scorer import ScorerClient, ScorerError
@@ -40,7 +40,7 @@ async def test_every_client_raises_its_own_error_with_the_status(status: int) ->
     for error, call in cases:
         with pytest.raises(error) as raised:
             await call
-        assert isinstance(raised.value, ServiceError) and raised.value.status_code == status
+        assert isinstance(raised.value, RemoteError) and raised.value.status_code == status
     assert len(calls) == (3 if status == 400 else 6)  # a 4xx once; a 503 each attempt
 
 
