@@ -13,8 +13,8 @@ from mempo.api.retrieval import (
     RetrieveResponse,
     ScoredDocument,
 )
+from mempo.batching import Batcher
 from mempo.service import BadInput, Metrics, NotReady, TooLarge
-from services.retrieval.executor import BatchingExecutor
 from services.retrieval.index import LoadedIndex, open_index
 from services.retrieval.settings import RetrievalSettings
 
@@ -46,12 +46,12 @@ def check_limits(request: RetrieveRequest, settings: RetrievalSettings) -> None:
 
 
 class RetrievalService:
-    """Owns the index and the batching executor; the routes call ``retrieve`` and ``info``."""
+    """Owns the index and the batcher; the routes call ``retrieve`` and ``info``."""
 
     def __init__(self, settings: RetrievalSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.index: LoadedIndex | None = None
-        self.executor: BatchingExecutor[ScoredDocument] | None = None
+        self.batcher: Batcher[tuple[str, int], list[ScoredDocument]] | None = None
         self.failure: str | None = None
         self.loader: asyncio.Task[None] | None = None
         self.queries = metrics.counter("queries_total", "Queries searched")
@@ -75,13 +75,18 @@ class RetrievalService:
             self.failure = f"the index failed to load: {type(exc).__name__}: {exc}"
             log.error("%s", self.failure)
             return
-        self.executor = BatchingExecutor(
-            self._search_batch,
-            max_queries=self.settings.batch_max_queries,
-            wait_s=self.settings.batch_wait_ms / 1000,
+        batcher: Batcher[tuple[str, int], list[ScoredDocument]] = Batcher(
+            self._search_rows,
+            cost=lambda _row: 1,  # a query
+            max_batch_cost=self.settings.batch_max_queries,
+            max_wait_s=self.settings.batch_wait_ms / 1000,
+            max_share=1.0,  # a request's queries in one search when they fit
             threads=self.settings.search_threads,
             on_batch=self._observe_batch,
+            name="the retrieval service",
         )
+        batcher.start()
+        self.batcher = batcher
         self.index = index
         log.info(
             "serving %s over %d passages (%s)",
@@ -93,8 +98,8 @@ class RetrievalService:
     async def close(self) -> None:
         if self.loader is not None and not self.loader.done():
             self.loader.cancel()
-        if self.executor is not None:
-            await self.executor.close()
+        if self.batcher is not None:
+            await asyncio.to_thread(self.batcher.stop)
 
     def readiness(self) -> tuple[bool, str | None]:
         if self.index is not None:
@@ -103,26 +108,31 @@ class RetrievalService:
 
     # ----------------------------------------------------------------- search
 
-    def _search_batch(self, queries: list[str], k: int) -> list[list[ScoredDocument]]:
-        """Runs in a worker thread: search, then look the documents up."""
+    def _search_rows(
+        self, rows: Sequence[tuple[str, int]]
+    ) -> tuple[list[list[ScoredDocument]], str]:
+        """Runs in a batcher thread: one search of the batch's queries at the largest k any
+        of them asked for (top-k lists are prefixes of each other), each cut to its own k,
+        then the documents looked up."""
         assert self.index is not None
         store = self.index.store
+        hits = self.index.backend.search([q for q, _ in rows], max(k for _, k in rows))
         return [
-            [ScoredDocument(document=store.document(row), score=score) for row, score in hits]
-            for hits in self.index.backend.search(queries, k)
-        ]
+            [ScoredDocument(document=store.document(r), score=score) for r, score in found[:k]]
+            for found, (_, k) in zip(hits, rows, strict=True)
+        ], ""
 
-    def _observe_batch(self, size: int, seconds: float) -> None:
+    def _observe_batch(self, _requests: int, size: int, seconds: float) -> None:
         self.queries.inc(size)
         self.batch_size.observe(size)
         self.search_latency.observe(seconds)
 
     async def retrieve(self, request: RetrieveRequest) -> RetrieveResponse:
         check_limits(request, self.settings)
-        if self.executor is None:
+        if self.batcher is None:
             raise NotReady(self.readiness()[1] or "not ready")
         k = request.topk or self.settings.default_topk
-        results = await self.executor.run(request.queries, k)
+        results = (await self.batcher.submit([(q, k) for q in request.queries])).outputs
         if request.return_scores:
             return RetrieveResponse(result=results)
         return RetrieveResponse(result=_bare(results))

@@ -24,8 +24,8 @@ from mempo.api.scorer import (
     ScoreRequest,
     ScoreResponse,
 )
+from mempo.batching import Batcher
 from mempo.service import BadInput, Metrics, TooLarge, require_weights_root
-from services.scorer.batcher import Batcher
 from services.scorer.forward import score_rows
 from services.scorer.model import LoadedModel, ModelHolder
 from services.scorer.plan import (
@@ -58,13 +58,15 @@ class ScorerService:
         self._updates = metrics.counter(
             "weight_updates_total", "weight updates by outcome", ("outcome",)
         )
-        self.batcher = Batcher(
+        self.batcher: Batcher[Row, dict[int, list[float]]] = Batcher(
             self._run_rows,
-            settings.max_batch_tokens,
-            settings.max_wait_ms / 1000,
-            settings.max_queue,
+            cost=lambda row: row.num_tokens,
+            max_batch_cost=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1000,
+            max_queue=settings.max_queue,
             on_batch=self._observe_batch,
             max_share=settings.max_batch_share,
+            name="the scorer",
         )
 
     @property
@@ -83,13 +85,27 @@ class ScorerService:
 
     # ----------------------------------------------------------------- forwards (worker thread)
 
-    def _run_rows(self, rows: Sequence[Row]) -> tuple[LogProbTable, str]:
+    def _run_rows(self, rows: Sequence[Row]) -> tuple[list[dict[int, list[float]]], str]:
+        """Each row's log-probs by scored segment, and the weight version of them all."""
         loaded = self.holder.current  # one snapshot for the whole batch
         table = score_rows(
             loaded.model, rows, self.settings.max_batch_tokens, self.settings.method, loaded.pad_id
         )
         self._contexts.inc(sum(len(r.scored_segments()) for r in rows))
-        return table, loaded.version
+        per_row: list[dict[int, list[float]]] = [{} for _ in rows]
+        for (row, segment), values in table.items():
+            per_row[row][segment] = values
+        return per_row, loaded.version
+
+    async def _score(self, rows: Sequence[Row]) -> tuple[LogProbTable, str]:
+        """The request's rows through the batcher: its log-prob table and weight version."""
+        result = await self.batcher.submit(rows)
+        table = {
+            (row, segment): values
+            for row, segments in enumerate(result.outputs)
+            for segment, values in segments.items()
+        }
+        return table, result.version
 
     # ----------------------------------------------------------------- planning (request threads)
 
@@ -173,17 +189,14 @@ class ScorerService:
         limit = self.settings.max_trajectories
         self._check_size(trajectories, trajectory_texts, "trajectories", limit)
         plan = await asyncio.to_thread(self.plan_memory_request, request)
-        result = await self.batcher.submit(plan.rows)
-        results = memory_results(plan, result.logprobs)
-        return MemoryScoresResponse(results=results, weight_version=result.weight_version)
+        table, version = await self._score(plan.rows)
+        return MemoryScoresResponse(results=memory_results(plan, table), weight_version=version)
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
         self._check_size(request.items, item_texts, "items", self.settings.max_items)
         plan = await asyncio.to_thread(self.plan_score_request, request)
-        result = await self.batcher.submit(plan.rows)
-        return ScoreResponse(
-            scores=item_results(plan, result.logprobs), weight_version=result.weight_version
-        )
+        table, version = await self._score(plan.rows)
+        return ScoreResponse(scores=item_results(plan, table), weight_version=version)
 
     # ----------------------------------------------------------------- weights
 
