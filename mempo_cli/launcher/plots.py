@@ -19,6 +19,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
                                                               ("ppo_kl", "approx KL to old")]),
 ]
 
+AVERAGE = 8  # steps in the reward's moving average (the plot and the live table)
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Lines of metrics.jsonl; a line torn by a crash is skipped."""
@@ -65,7 +67,6 @@ def read_heldout(path: Path) -> dict[str, Any]:
 
 def _reward_extras(ax: Any, rows: Sequence[dict[str, Any]], heldout: dict[str, Any]) -> int:
     """The reward's moving average and the held-out EM before and after RL."""
-    from mempo_cli.launcher.progress import AVERAGE
 
     drawn = 0
     xs, ys = _series(rows, "reward_mean")

@@ -13,9 +13,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from mempo_cli.launcher.plots import moving_average
-
-AVERAGE = 8  # steps in the reward's moving average
+from mempo_cli.launcher.plots import AVERAGE, moving_average
 
 # (label, metric key in the learner's last_metrics, format)
 COLUMNS: list[tuple[str, str, str]] = [
