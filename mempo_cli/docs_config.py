@@ -57,15 +57,14 @@ SECTIONS = [
         "Retrieval",
         "services.retrieval.settings:RetrievalSettings",
         "MEMPO_RETRIEVAL_",
-        "`mempo retrieval serve` (options `--index`, `--backend`, `--host`, `--port` win "
-        "over the environment). See [retrieval.md](retrieval.md).",
+        "`mempo retrieval serve` (`--index` is `--index-path`). "
+        "See [retrieval.md](retrieval.md).",
     ),
     Section(
         "Scorer",
         "services.scorer.settings:ScorerSettings",
         "MEMPO_SCORER_",
-        "`mempo scorer serve` (its options win over the environment). "
-        "See [scorer.md](scorer.md).",
+        "`mempo scorer serve`. See [scorer.md](scorer.md).",
     ),
     Section(
         "Rollout worker",
