@@ -110,6 +110,7 @@ class WeightPublisher:
         self.protected = Path(protected).resolve() if protected else None
         self._parallel = asyncio.Semaphore(max_parallel)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._cleanup: asyncio.Task[None] | None = None  # the last publish's deletions
         self.broadcaster: WeightBroadcaster | None = None
         if broadcast:
             self.broadcaster = WeightBroadcaster(
@@ -118,6 +119,7 @@ class WeightPublisher:
             )
 
     async def aclose(self) -> None:
+        await self.settled()
         if self.broadcaster is not None:
             await self.broadcaster.close()
         await self.http.aclose()
@@ -125,9 +127,17 @@ class WeightPublisher:
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version}"
 
+    async def settled(self) -> None:
+        """Wait until the last publish's old versions are deleted."""
+        if self._cleanup is not None:
+            await self._cleanup
+
     async def publish(self, exporter: WeightExporter, version: int) -> PublishReport:
         """(Broadcast to the rollout engines,) export, point ``mempo:policy`` at it,
-        update every engine not at the version yet from disk, clean up."""
+        update every engine not at the version yet from disk; the versions no engine
+        serves any more are then deleted in the background (the next publish waits for
+        that first: ``settled``), off the training step's path."""
+        await self.settled()
         started = time.perf_counter()
         sent, seconds = await self.broadcast(exporter, version)
         broadcast = time.perf_counter()
@@ -142,7 +152,8 @@ class WeightPublisher:
         notified = time.perf_counter()
         failed = [parse_weight_version(e.weight_version) for e in engines if _base(e.url) in errors]
         in_use = {v for v in failed if v is not None}  # what the engines that failed still serve
-        removed = await asyncio.to_thread(self.remove_unused, version, in_use)
+        removed = self.unused(version, in_use)
+        self._cleanup = asyncio.create_task(asyncio.to_thread(self.remove, removed))
         report = PublishReport(
             version=version,
             path=str(path),
@@ -231,16 +242,19 @@ class WeightPublisher:
                 error = f"{type(exc).__name__}: {exc}"
         return (error[:500] if error else None), time.perf_counter() - started
 
-    def remove_unused(self, version: int, in_use: set[int]) -> list[int]:
-        """Delete versions older than the last ``keep_versions`` that no engine serves,
-        except the protected folder (or one holding it)."""
+    def unused(self, version: int, in_use: set[int]) -> list[int]:
+        """Versions older than the last ``keep_versions`` that no engine serves, except the
+        protected folder (or one holding it)."""
         keep = set(range(version - self.keep_versions + 1, version + 1)) | in_use
-        removed = []
-        for number in self.versions():
-            if number < version and number not in keep and not self._holds_protected(number):
-                shutil.rmtree(self.version_dir(number), ignore_errors=True)
-                removed.append(number)
-        return removed
+        return [
+            number
+            for number in self.versions()
+            if number < version and number not in keep and not self._holds_protected(number)
+        ]
+
+    def remove(self, versions: list[int]) -> None:
+        for number in versions:
+            shutil.rmtree(self.version_dir(number), ignore_errors=True)
 
     def _holds_protected(self, version: int) -> bool:
         folder = self.version_dir(version).resolve()
