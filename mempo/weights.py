@@ -42,7 +42,6 @@ _DTYPES = {
     "BOOL": torch.bool,
 }  # fmt: skip
 SEAL = "finite.json"  # beside published weights: the learner checked these files finite
-_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 _FINITE_CHUNK = 1 << 24  # elements checked at once: bounds the check's temporary memory
 
 
@@ -333,22 +332,10 @@ def write_safetensors(
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    views = [memoryview(struct.pack("<Q", len(raw))), memoryview(raw)]
-    for _, tensor in ordered:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        if flat.numel():
-            views.append(flat.view(torch.uint8).numpy().data)
-    with path.open("wb", buffering=0) as handle:
-        _write_all(handle.fileno(), views)
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` in order, a few gathered writes (os.writev: one
-    syscall for up to IOV_MAX buffers, 1.7x faster than a write per tensor for 107 MB)."""
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while written:  # drop what was written; a short write leaves the rest of a view
-            if written >= len(views[0]):
-                written -= len(views.pop(0))
-            else:
-                views[0], written = views[0][written:], 0
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        for _, tensor in ordered:
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            if flat.numel():
+                handle.write(flat.view(torch.uint8).numpy().data)

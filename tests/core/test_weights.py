@@ -70,32 +70,6 @@ def test_write_round_trips_through_safetensors(tmp_path: Path) -> None:
     assert all(torch.equal(map_safetensors(tmp_path)[k], v) for k, v in tensors.items())
 
 
-def test_write_gathers_more_tensors_than_one_writev_takes_and_resumes_short_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
-
-    from mempo import weights
-
-    tensors = {f"t{i:04d}": torch.full((i % 7 + 1,), float(i)) for i in range(2500)}  # > IOV_MAX
-    writev = os.writev
-    calls = []
-
-    def short(fd: int, buffers: list[memoryview]) -> int:  # at most 1000 bytes a call
-        calls.append(len(buffers))
-        total, kept = 0, []
-        for buffer in buffers:
-            kept.append(buffer[: max(0, 1000 - total)])
-            total += len(kept[-1])
-        return writev(fd, [b for b in kept if len(b)])
-
-    monkeypatch.setattr(weights.os, "writev", short)
-    weights.write_safetensors(tensors, tmp_path / "m.safetensors")
-    assert max(calls) <= 1024 and len(calls) > 3
-    back = load_file(tmp_path / "m.safetensors")
-    assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
-
-
 def _raw(path: Path, header: object, data: bytes = b"") -> None:
     raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
