@@ -45,6 +45,9 @@ def test_smoke_runs_every_phase_and_resumes(tmp_path: Path) -> None:
     assert (seed / "mempo" / "metrics.jsonl").exists() and (tmp_path / "curves.png").stat().st_size > 0
     assert "mempo_cli up " in log  # the RL phase ran through `mempo up`
     assert "--lr-decay-steps 1 " in log and summary["lr_decay"]
+    assert set(summary["goals"]) == {"em_mempo_over_sft_by_0.10", "p_mem_mempo_over_grpo",
+        "tokens_memory_below_full_sft", "tokens_memory_below_full_mempo", "minutes_at_most_30"}  # fmt: skip
+    assert all(v is None or isinstance(v, bool) for v in summary["goals"].values())
 
     again, log = _run(tmp_path)  # every phase done: nothing runs again
     assert again["per_seed"] == summary["per_seed"]
