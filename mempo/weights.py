@@ -24,6 +24,7 @@ its own check (``seal``), when they are still exactly the files it sealed.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import mmap
@@ -31,6 +32,8 @@ import os
 import stat
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -216,10 +219,21 @@ def seal(directory: Path) -> None:
     files of their own user or root), so it gives no one a power they lack; it spares each
     receiver a scan of every byte. Before Linux 6.13 file times move by the jiffy (a few
     ms): a write of the same size that soon after the seal can go unnoticed."""
-    files = {p.name: _identity(p.stat()) for p in sorted(Path(directory).glob("*.safetensors"))}
+    files = _identities(directory)
     path = Path(directory) / SEAL
     path.write_text(json.dumps({"checked": "finite", "files": files}))
     path.chmod(0o644)
+
+
+def is_sealed(directory: Path) -> bool:
+    """Whether ``directory``'s seal (``seal``) records its ``*.safetensors`` files as they
+    are now (a folder with no such file is never sealed)."""
+    now = _identities(directory)
+    return bool(now) and _read_seal(directory, None) == now
+
+
+def _identities(directory: Path) -> dict[str, list[int]]:
+    return {p.name: _identity(p.stat()) for p in sorted(Path(directory).glob("*.safetensors"))}
 
 
 def _read_seal(directory: Path, root: Path | None) -> dict[str, list[int]] | None:
@@ -310,13 +324,41 @@ def assign_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) ->
                 setattr(model.get_submodule(owner), leaf, loaded)
 
 
+def module_tree_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A new tree of modules over ``model``'s own parameters, buffers and attributes: each
+    module copied shallowly with its own parameter, buffer and child tables, so that
+    ``assign_weights`` on the copy leaves ``model`` untouched. Nothing is deep-copied (a
+    deep copy of a transformer's modules costs milliseconds of Python per publish)."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copied(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) not in copies:  # a module shared by two parents stays shared
+            new = copies[id(module)] = copy.copy(module)
+            new._parameters = dict(module._parameters)
+            new._buffers = dict(module._buffers)
+            new._modules = {
+                name: None if child is None else copied(child)
+                for name, child in module._modules.items()
+            }
+        return copies[id(module)]
+
+    return copied(model)
+
+
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def write_safetensors(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    finite: bool = False,
 ) -> None:
-    """Write ``tensors`` (CPU) as one safetensors file, data in name order."""
+    """Write ``tensors`` (CPU) as one safetensors file, data in name order.
+
+    ``finite``: also check them for NaN / inf (``NonFiniteWeights``, the file then half
+    written: write into a temporary folder), on a second thread while the file is written:
+    the check costs no time where a core is free."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     ordered = sorted(tensors.items())
@@ -332,10 +374,14 @@ def write_safetensors(
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)))
-        handle.write(raw)
-        for _, tensor in ordered:
-            flat = tensor.detach().cpu().contiguous().reshape(-1)
-            if flat.numel():
-                handle.write(flat.view(torch.uint8).numpy().data)
+    with ThreadPoolExecutor(1, thread_name_prefix="finite") if finite else nullcontext() as pool:
+        check = pool.submit(non_finite, tensors) if pool is not None else None
+        with path.open("wb") as handle:
+            handle.write(struct.pack("<Q", len(raw)))
+            handle.write(raw)
+            for _, tensor in ordered:
+                flat = tensor.detach().cpu().contiguous().reshape(-1)
+                if flat.numel():
+                    handle.write(flat.view(torch.uint8).numpy().data)
+        if check is not None and (bad := check.result()) is not None:
+            raise NonFiniteWeights(f"{bad} holds NaN or inf values in {path.parent.name}")

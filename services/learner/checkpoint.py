@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mempo.files import atomic_dir
-from mempo.weights import check_finite, write_safetensors
+from mempo.weights import check_finite, seal, write_safetensors
 from mempo_sim.tiny import make_world_readable
 from services.learner.distributed import full_model_state, full_optimizer_state, load_full_state
 
@@ -215,15 +215,17 @@ def export_hf(
     """Write an HF folder: model.safetensors, config.json and the base model's other files.
 
     ``tied`` names parameters that alias another (tied embeddings): HF re-ties them on
-    load, and safetensors refuses shared storage, so they are left out. The folder is
-    made world-readable (engines in other containers load it).
+    load, and safetensors refuses shared storage, so they are left out. The tensors are
+    checked finite while they are written (``NonFiniteWeights``: write into a temporary
+    folder); the folder is made world-readable (engines in other containers load it) and
+    sealed (mempo.weights.seal: its receivers need not scan it again).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in base_dir.iterdir():  # tokenizer, generation config, ...
         if item.is_file() and not _WEIGHT_FILES.fullmatch(item.name) and item.name != "config.json":
             shutil.copy2(item, out_dir / item.name)
     tensors = export_tensors(state, dtype, tied)
-    write_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(tensors, out_dir / "model.safetensors", {"format": "pt"}, finite=True)
     config.save_pretrained(out_dir)
     dtype_name = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
     config_path = out_dir / "config.json"
@@ -233,6 +235,7 @@ def export_hf(
             data[key] = dtype_name
     config_path.write_text(json.dumps(data, indent=2))
     make_world_readable(out_dir)
+    seal(out_dir)  # last: after the chmod
     return out_dir
 
 

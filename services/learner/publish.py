@@ -3,11 +3,12 @@
 0. With ``weight_sync = broadcast``, first the rollout engines get the tensors (checked
    finite) over a torch.distributed group (services/learner/broadcast.py); those that
    did are done, the others go on below.
-1. The trainer exports HF-format weights into a temp dir under the weights root, made
-   world-readable (containers run as other users), read back and checked finite (a NaN
-   or inf tensor, or one that overflowed the export dtype, fails the publish: nothing
-   is renamed, pointed at or sent), renamed to ``v{version}/``: an engine never sees
-   half a version.
+1. The trainer exports HF-format weights into a temp dir under the weights root,
+   world-readable (containers run as other users) and checked finite (a NaN or inf
+   tensor, or one that overflowed the export dtype, fails the publish: nothing is
+   renamed, pointed at or sent), renamed to ``v{version}/``: an engine never sees half a
+   version. The trainer checks the tensors while it writes them and seals the folder
+   (mempo.weights.seal); another exporter's folder is read back and checked.
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
 3. Every other live registration gets ``POST /update_weights_from_disk`` in parallel, with a
@@ -38,7 +39,7 @@ from mempo.clients.engine import EngineClient, EngineError
 from mempo.files import atomic_dir
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import parse_weight_version
-from mempo.weights import check_finite, map_safetensors, non_finite, seal
+from mempo.weights import check_finite, is_sealed, map_safetensors, non_finite, seal
 from mempo_sim.tiny import make_world_readable
 from services.learner.broadcast import WeightBroadcaster
 
@@ -200,15 +201,17 @@ class WeightPublisher:
 
     def write_version(self, exporter: WeightExporter, version: int) -> Path:
         """``v{version}/`` written atomically (temp dir + rename), checked finite,
-        world-readable and sealed (mempo.weights.seal)."""
+        world-readable and sealed (mempo.weights.seal). An export that sealed itself (the
+        trainer's: it checks the tensors as it writes them) is not read back."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)
         final = self.version_dir(version)  # re-published after a resume: replaced
         with atomic_dir(final, prefix=f"{_TEMP_PREFIX}{version}-") as tmp:
             exporter.export_hf(tmp)
-            check_finite(map_safetensors(tmp), f"weights version {version}")
-            make_world_readable(tmp)
-            seal(tmp)  # last: the receivers need not scan what was just checked finite
+            if not is_sealed(tmp):
+                check_finite(map_safetensors(tmp), f"weights version {version}")
+                make_world_readable(tmp)
+                seal(tmp)  # last: the receivers need not scan what was just checked finite
         return final
 
     async def notify(

@@ -15,7 +15,6 @@ started with (a weight update changes weights only).
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mempo.weights import assign_weights, load_checked
+from mempo.weights import assign_weights, load_checked, module_tree_copy
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +104,11 @@ class ModelHolder:
             current = self.current
             expected = current.model.state_dict()
             state = load_checked(Path(path), expected, root)
-            # A new model that shares nothing with the serving one but the parameters,
-            # which assign_weights then replaces: no copy of the weights on this path
-            # (the files' mapped tensors become the parameters on CPU; one copy to the
-            # device and dtype elsewhere). The serving model is untouched until the swap.
-            params = {id(p): p for p in current.model.parameters()}
-            model = copy.deepcopy(current.model, memo=dict(params))
+            # A new tree of modules over the serving one's tensors, which assign_weights
+            # then replaces: no copy of the weights on this path (the files' mapped
+            # tensors become the parameters on CPU; one copy to the device and dtype
+            # elsewhere). The serving model is untouched until the swap.
+            model = module_tree_copy(current.model)
             assign_weights(model, {
                 name: tensor.to(device=expected[name].device, dtype=expected[name].dtype)
                 for name, tensor in state.items()

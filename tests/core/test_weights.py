@@ -213,6 +213,32 @@ def test_a_sealed_folder_is_loaded_without_a_finite_scan(
     assert scans == [1]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_write_checks_finite_values_while_it_writes(tmp_path: Path, bad: float) -> None:
+    from mempo.weights import write_safetensors
+
+    tensors = {"a": torch.randn(3), "w": torch.randn(70_000)}
+    write_safetensors(tensors, tmp_path / "ok.safetensors", finite=True)  # finite: written
+    assert torch.equal(load_file(tmp_path / "ok.safetensors")["w"], tensors["w"])
+    tensors["w"][12_345] = bad
+    with pytest.raises(NonFiniteWeights, match="w holds NaN or inf"):
+        write_safetensors(tensors, tmp_path / "bad.safetensors", finite=True)
+    write_safetensors(tensors, tmp_path / "unchecked.safetensors")  # the check is opt-in
+
+
+def test_is_sealed_only_for_the_files_as_sealed(tmp_path: Path) -> None:
+    from mempo.weights import SEAL, is_sealed
+
+    _sealed(tmp_path / "v1")
+    assert is_sealed(tmp_path / "v1")
+    time.sleep(0.02)  # before Linux 6.13 a file's times move by the jiffy (mempo.weights.seal)
+    (tmp_path / "v1" / "model.safetensors").chmod(0o600)  # even a chmod breaks it
+    assert not is_sealed(tmp_path / "v1")
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / SEAL).write_text('{"files": {}}')  # a seal of no file seals nothing
+    assert not is_sealed(tmp_path / "v2")
+
+
 @pytest.mark.parametrize("change", ["written after", "copied", "seal garbled", "seal of another"])
 def test_a_seal_that_does_not_match_the_files_is_ignored_and_nan_refused(
     tmp_path: Path, change: str
@@ -235,3 +261,30 @@ def test_a_seal_that_does_not_match_the_files_is_ignored_and_nan_refused(
     _poison_in_place(folder / "model.safetensors")
     with pytest.raises(NonFiniteWeights, match=r"[bw] holds NaN"):
         load_checked(folder, tensors, tmp_path)
+
+
+def test_a_module_tree_copy_takes_new_weights_and_leaves_the_model_alone(
+    tiny_model_dir: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mempo.weights import assign_weights, module_tree_copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    other = module_tree_copy(model)
+    assert other.config is model.config  # attributes and buffers shared, not copied
+    assert all(a is b for a, b in zip(other.buffers(), model.buffers(), strict=True))
+    new = {k: v + 0.01 for k, v in before.items() if k != "lm_head.weight"}
+    assign_weights(other, new)
+    state = other.state_dict()
+    assert all(torch.equal(state[k], new[k]) for k in new)
+    assert other.lm_head.weight is other.model.embed_tokens.weight  # re-tied in the copy
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)
+        assert not torch.allclose(other(input_ids=ids).logits, logits)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mempo.weights import NonFiniteWeights
+from mempo.weights import SEAL, NonFiniteWeights, is_sealed
 from services.learner import checkpoint
 from services.learner.step import train_step
 from services.learner.trainer import Trainer
@@ -144,6 +144,17 @@ def test_a_non_finite_policy_is_never_checkpointed(tiny_model_dir: Path, tmp_pat
         trainer.save_checkpoint(tmp_path, ["g0", "g1"])
     assert [p.name for p in tmp_path.iterdir()] == [good.name]
     assert checkpoint.latest(tmp_path) == good
+
+
+def test_a_non_finite_policy_is_never_exported(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The export checks the tensors as it writes them (and then seals what it checked)."""
+    trainer = Trainer(TrainerConfig(beta_kl=0.0), tiny_model_dir)
+    assert is_sealed(trainer.export_hf(tmp_path / "v0"))
+    with torch.no_grad():
+        next(trainer.policy.parameters()).view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteWeights, match="NaN or inf"):
+        trainer.export_hf(tmp_path / "v1")
+    assert not (tmp_path / "v1" / SEAL).exists()
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ from mempo.keys import Keys
 from mempo.procs import free_port
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.weights import NonFiniteWeights, map_safetensors
+from mempo_sim.tiny import make_world_readable
+from services.learner import publish
 from services.learner.publish import WeightPublisher
 from tests.services.learner.service_support import StandInEngine, serving
 
@@ -45,6 +47,17 @@ class PoisonedExporter(CopyExporter):
         name = sorted(n for n, t in state.items() if t.is_floating_point())[0]
         state[name].view(-1)[0] = float("nan")
         save_file(state, str(out_dir / "model.safetensors"))
+        return out_dir
+
+
+class SealingExporter(CopyExporter):
+    """Checks and seals its own folder, as the trainer's export does."""
+
+    def export_hf(self, out_dir: Path) -> Path:
+        super().export_hf(out_dir)
+        weights.check_finite(map_safetensors(out_dir), "export")
+        make_world_readable(out_dir)
+        weights.seal(out_dir)
         return out_dir
 
 
@@ -233,6 +246,22 @@ async def test_a_failed_export_publishes_nothing(
         assert [p.name for p in root.iterdir()] == ["v1"]
         await publisher.publish(CopyExporter(tiny_model_dir), 1)  # a republish replaces it
         assert (root / "v1" / "model.safetensors").exists()
+    finally:
+        await publisher.aclose()
+
+
+async def test_an_export_sealed_by_its_exporter_is_not_read_back(
+    redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    reads = []
+    monkeypatch.setattr(publish, "map_safetensors", lambda path: reads.append(path) or {})
+    publisher = WeightPublisher(RedisQueue(redis_client, keys), tmp_path / "w")  # type: ignore[arg-type]
+    try:
+        await publisher.publish(SealingExporter(tiny_model_dir), 1)
+        assert reads == [] and weights.is_sealed(tmp_path / "w" / "v1")
+        await publisher.publish(CopyExporter(tiny_model_dir), 2)  # not sealed: read back, sealed
+        assert len(reads) == 1 and weights.is_sealed(tmp_path / "w" / "v2")
     finally:
         await publisher.aclose()
 
