@@ -134,7 +134,7 @@ def _entry(
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
         raise WeightsFormatError(f"{path.name}: {name!r} needs data_offsets [begin, end] as ints")
     begin, end = offsets
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if not (begin <= end <= data_size and end - begin == size):
         raise WeightsFormatError(
             f"{path.name}: {name!r} data_offsets [{begin}, {end}] do not hold {size} bytes "
@@ -160,7 +160,7 @@ def _map_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], l
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     tensors: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, begin, end) in entries.items():
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        count = (end - begin) // dtype.itemsize
         flat = (
             torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin)
             if count
@@ -306,13 +306,23 @@ def check_weights(
 
 
 def assign_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Make ``state``'s tensors the model's parameters without copying them (checked
-    first: check_weights; same device and dtype as the model's). Tied weights (lm_head =
-    embeddings) are tied again to whichever of them ``state`` holds."""
+    """Make ``state``'s tensors the model's parameters (and buffers) without copying them
+    (checked first: check_weights; same device and dtype as the model's; each parameter
+    keeps its ``requires_grad``). Tied weights (lm_head = embeddings) are tied again to
+    whichever of them ``state`` holds."""
     tied: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(param.data_ptr(), []).append(name)
-    model.load_state_dict(dict(state), strict=False, assign=True)
+        tied.setdefault(id(param), []).append(name)
+    for name, tensor in state.items():  # straight into the tables: load_state_dict's
+        owner, _, leaf = name.rpartition(".")  # checks cost 14 us a tensor
+        module = model.get_submodule(owner)
+        old = module._parameters.get(leaf)
+        if old is not None:
+            module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+        elif leaf in module._buffers:
+            module._buffers[leaf] = tensor
+        else:
+            raise WeightsFormatError(f"the model has no parameter or buffer {name!r}")
     for names in tied.values():  # re-tie each shared group to the tensor that was loaded
         source = next((n for n in names if n in state), None)
         if source is None or len(names) == 1:
@@ -321,7 +331,7 @@ def assign_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) ->
         for name in names:
             if name != source:
                 owner, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(owner), leaf, loaded)
+                model.get_submodule(owner)._parameters[leaf] = loaded
 
 
 def module_tree_copy(model: torch.nn.Module) -> torch.nn.Module:
