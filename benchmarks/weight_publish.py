@@ -51,6 +51,15 @@ MODELS = {
 }
 
 
+# Versions kept on disk, as the learner's default. The first KEEP + 1 publishes are not
+# timed: a training run publishes every step, and until the first old version is deleted
+# each export writes into memory the page cache has not used before, which on this VM is
+# 2-8x slower to write (100-220 ms against 26 ms for 104 MB, the first 3-4 versions of a
+# run; measured 2026-12-07). The copy never pays it: it deletes what it wrote right away,
+# so each copy reuses the pages of the one before.
+KEEP = 2
+WARM_UP = KEEP + 1
+
 # Each receiver one thread, as ``mempo up`` starts every service on a machine this small:
 # three processes with a thread per core each oversubscribe 2 cores (notify 0.85 s, not 0.1).
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -154,17 +163,18 @@ async def measure(
         async with httpx.AsyncClient(timeout=60) as http:
             for path in ("disk", "broadcast"):
                 publisher = WeightPublisher(
-                    queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=2,
+                    queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=KEEP,
                     broadcast=path == "broadcast",
                 )  # fmt: skip
                 try:
                     runs = []
-                    for _ in range(reps + 1):  # the first publish warms caches: not counted
+                    for _ in range(WARM_UP + reps):
                         version += 1
                         runs.append(await publish_and_copy(publisher, trainer, version, urls, http))
                 finally:
                     await publisher.aclose()
-                paths[path] = {name: statistics.median(run[name] for run in runs[1:]) for name in runs[0]}
+                timed = runs[WARM_UP:]
+                paths[path] = {name: statistics.median(run[name] for run in timed) for name in runs[0]}
     finally:
         await queue.aclose()
         await redis.aclose()
