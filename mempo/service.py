@@ -168,6 +168,36 @@ class CatchUnexpected:
                 await _send_json(send, 500, body)
 
 
+class CountRequests:
+    """ASGI middleware: requests by route and status, and their latency (to the end of the
+    response), in ``metrics``. Plain ASGI: Starlette's BaseHTTPMiddleware costs about 0.5 ms
+    a request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # no response started: the server answers 500
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")  # the router sets it
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+
+
 # --------------------------------------------------------------------------- limits
 
 
@@ -350,23 +380,10 @@ def install_common(
             service,
         )
     app.state.metrics = metrics
-    # Innermost first. CatchUnexpected: count_requests sees its 500s. BodyLimit inside
-    # count_requests (a BaseHTTPMiddleware, whose receive would wrap the limit's
-    # exception into an ExceptionGroup, and a route's body reading then into a 400).
+    # Innermost first. CatchUnexpected: CountRequests sees its 500s.
     app.add_middleware(CatchUnexpected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-
-    @app.middleware("http")
-    async def count_requests(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        metrics.latency.labels(path).observe(time.perf_counter() - started)
-        return response
+    app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/health", response_model=Health, tags=["ops"])
     async def health() -> Health:
