@@ -25,6 +25,7 @@ its own check (``seal``), when they are still exactly the files it sealed.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import mmap
@@ -33,7 +34,6 @@ import stat
 import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -384,8 +384,8 @@ def write_safetensors(
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with ThreadPoolExecutor(1, thread_name_prefix="finite") if finite else nullcontext() as pool:
-        check = pool.submit(non_finite, tensors) if pool is not None else None
+    check = _finite_checker().submit(non_finite, tensors) if finite else None
+    try:
         with path.open("wb") as handle:
             handle.write(struct.pack("<Q", len(raw)))
             handle.write(raw)
@@ -393,5 +393,14 @@ def write_safetensors(
                 flat = tensor.detach().cpu().contiguous().reshape(-1)
                 if flat.numel():
                     handle.write(flat.view(torch.uint8).numpy().data)
-        if check is not None and (bad := check.result()) is not None:
-            raise NonFiniteWeights(f"{bad} holds NaN or inf values in {path.parent.name}")
+    finally:
+        bad = check.result() if check is not None else None  # never left running
+    if bad is not None:
+        raise NonFiniteWeights(f"{bad} holds NaN or inf values in {path.parent.name}")
+
+
+@functools.cache
+def _finite_checker() -> ThreadPoolExecutor:
+    """One thread for every check, kept: torch's first parallel op on a new thread starts
+    a new team of worker threads (10 ms, more than the check of a small model)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="finite-check")
