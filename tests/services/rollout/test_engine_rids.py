@@ -75,8 +75,13 @@ async def test_the_cpu_engine_refuses_a_rid_in_flight(engine_url: str) -> None:
     async with httpx.AsyncClient(base_url=engine_url, timeout=60, headers=ADMIN_HEADERS) as http:
         await http.post("/pause_generation", json={"mode": "in_place"})
         first = asyncio.create_task(http.post("/generate", json=body))
-        while not (await http.get("/server_info")).json()["internal_states"][0]["waiting"]:
-            await asyncio.sleep(0.02)  # until it is queued (generation is paused)
+        for _ in range(1000):  # until it is queued (generation is paused): at most 20 s
+            if (await http.get("/server_info")).json()["internal_states"][0]["waiting"]:
+                break
+            assert not first.done(), f"the first request ended unqueued: {first.result()}"
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the first request was never queued")
         again = await http.post("/generate", json=body)
         assert again.status_code == 400
         assert again.json() == {"error": {"message": "Duplicate request ID detected: dup"}}
