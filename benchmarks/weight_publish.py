@@ -58,14 +58,14 @@ MODELS = {
 }
 
 
-# Versions kept on disk, as the learner's default. The first KEEP + 1 publishes are not
-# timed: a training run publishes every step, and until the first old version is deleted
-# each export writes into memory the page cache has not used before, which on this VM is
-# 2-8x slower to write (100-220 ms against 26 ms for 104 MB, the first 3-4 versions of a
-# run; measured 2026-12-07). The copy never pays it: it deletes what it wrote right away,
-# so each copy reuses the pages of the one before.
+# Versions kept on disk, as the learner's default. The first KEEP + 2 publishes are not
+# timed: a training run publishes every step, and until the memory of deleted versions
+# comes around again each export writes into memory the page cache has not used before,
+# which on this VM is 2-8x slower to write (70-220 ms against 28 ms for 104 MB: versions
+# 1-4 of a run; measured 2026-12-07). The copy never pays it: it deletes what it wrote
+# right away, so each copy reuses the pages of the one before.
 KEEP = 2
-WARM_UP = KEEP + 1
+WARM_UP = KEEP + 2
 
 # Each receiver one thread, as ``mempo up`` starts every service on a machine this small:
 # three processes with a thread per core each oversubscribe 2 cores (notify 0.85 s, not 0.1).
