@@ -6,7 +6,8 @@ has just written is read straight from the page cache. The mapping stays valid w
 file is deleted later (the learner's retention), because the mapping holds the inode.
 
 ``write_safetensors`` streams each tensor's bytes from its own memory into the file
-(safetensors' ``save_file`` first builds the whole file in memory): one copy per publish.
+(safetensors' ``save_file`` first builds the whole file in memory): one copy per publish;
+with ``finite`` it checks the tensors for NaN / inf on a second thread meanwhile.
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -20,6 +21,8 @@ actually opened), the header must be exactly the format above (anything else is 
 state against the model's own: no missing, unexpected or reshaped tensor, no NaN / inf.
 ``load_checked`` is both; it skips the NaN / inf scan of files the learner sealed after
 its own check (``seal``), when they are still exactly the files it sealed.
+``assign_weights`` makes checked tensors a model's parameters; ``module_tree_copy`` gives
+a model to assign them to while the original keeps serving.
 """
 
 from __future__ import annotations
