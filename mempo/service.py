@@ -182,7 +182,7 @@ class CountRequests:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500  # no response started: the server answers 500
+        status = 500  # until a response starts: an error escaping here is the server's 500
 
         async def watched(message: Message) -> None:
             nonlocal status
@@ -192,10 +192,15 @@ class CountRequests:
 
         try:
             await self.app(scope, receive, watched)
-        finally:
-            path = getattr(scope.get("route"), "path", "unmatched")  # the router sets it
-            self.metrics.requests.labels(path, str(status)).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+        except Exception:  # not a cancelled request: nobody was answered
+            self.observe(scope, status, started)
+            raise
+        self.observe(scope, status, started)
+
+    def observe(self, scope: Scope, status: int, started: float) -> None:
+        path = getattr(scope.get("route"), "path", "unmatched")  # the router sets it
+        self.metrics.requests.labels(path, str(status)).inc()
+        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
 
 
 # --------------------------------------------------------------------------- limits
