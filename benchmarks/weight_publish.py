@@ -9,7 +9,7 @@ processes, as in a deployment. The baseline, measured in the same run on the sam
 is ``shutil.copytree`` of the published folder. Each publish is checked: every
 process's ``/model_info`` must report the new version (those requests, sent at once, are
 also ``http_floor_s``: the fixed cost no publish over HTTP can go below; for the 0.7M
-``test`` preset it is 2-3x the copy, so its ratio cannot reach 2). Then the same with
+``test`` preset it is about 3x the copy, so its ratio cannot reach 2). Then the same with
 ``weight_sync = broadcast``: the engines get the tensors over gloo (services/learner/
 broadcast.py; the scorer still loads the folder): ``broadcast_s`` is the engines' push,
 ``broadcast_ratio`` it over the copy. Prints one JSON line: {"publish_s", "copy_s",
@@ -51,7 +51,7 @@ MODELS = {
     "medium": TinyConfig(
         hidden_size=512, layers=8, heads=8, kv_heads=4, intermediate_size=1536, vocab_size=3072
     ),
-    # ~104M parameters, 415 MB: where the bytes, not the fixed costs, decide
+    # ~102M parameters, 409 MB: where the bytes, not the fixed costs, decide
     "large": TinyConfig(
         hidden_size=1024, layers=8, heads=16, kv_heads=8, intermediate_size=3072, vocab_size=3072
     ),
@@ -204,7 +204,7 @@ async def measure(
         "engine_s": [round(disk["receiver0_s"], 4), round(disk["receiver1_s"], 4)],
         "scorer_s": round(disk["receiver2_s"], 4),
         # a GET /model_info to every receiver at once: no publish that waits for each one's
-        # answer over HTTP is faster (for the 0.7M presets this alone is 2-3x the copy)
+        # answer over HTTP is faster (for the 0.7M presets this alone is about 3x the copy)
         "http_floor_s": round(disk["http_floor_s"], 4),
         # broadcast: the engines' push alone, and the whole publish (+ the disk for the scorer)
         "broadcast_s": round(sent["broadcast_s"], 4),
@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed publishes (the median is kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks it runs, proves nothing")
     args = parser.parse_args()
-    if args.smoke:  # the random-weight test model; one warm-up publish and one timed
+    if args.smoke:  # the random-weight test model; the warm-up publishes and one timed
         args.preset, args.reps = "test", 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = ensure_tiny(default_cache_dir(), MODELS[args.preset])
