@@ -407,3 +407,6 @@ def _finite_checker() -> ThreadPoolExecutor:
     """One thread for every check, kept: torch's first parallel op on a new thread starts
     a new team of worker threads (10 ms, more than the check of a small model)."""
     return ThreadPoolExecutor(1, thread_name_prefix="finite-check")
+
+
+os.register_at_fork(after_in_child=_finite_checker.cache_clear)  # a child has no such thread

@@ -288,3 +288,23 @@ def test_a_module_tree_copy_takes_new_weights_and_leaves_the_model_alone(
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, logits)
         assert not torch.allclose(other(input_ids=ids).logits, logits)
+
+
+def test_a_forked_child_checks_on_a_thread_of_its_own(tmp_path: Path) -> None:
+    """The check's kept thread does not exist in a forked child: it must start its own."""
+    import multiprocessing
+
+    from mempo.weights import write_safetensors
+
+    tensors = {"w": torch.randn(100)}
+    write_safetensors(tensors, tmp_path / "parent.safetensors", finite=True)  # thread started
+    child = multiprocessing.get_context("fork").Process(
+        target=write_safetensors,
+        args=(tensors, tmp_path / "child.safetensors"),
+        kwargs={"finite": True},
+    )
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():  # it waits forever for the parent's thread
+        child.kill()
+    assert child.exitcode == 0 and (tmp_path / "child.safetensors").exists()
