@@ -50,8 +50,9 @@ _TEMP_PREFIX = ".tmp-v"
 
 
 class WeightExporter(Protocol):
-    """The trainer side of a publish: write HF-format weights into ``out_dir``; the same
-    tensors in memory (for a broadcast)."""
+    """The trainer side of a publish: write HF-format weights into ``out_dir`` (sealed,
+    mempo.weights.seal, only if it checked them finite itself: the publisher then does not
+    read them back); the same tensors in memory (for a broadcast)."""
 
     def export_hf(self, out_dir: Path) -> Path: ...
 
