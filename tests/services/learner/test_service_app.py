@@ -107,6 +107,36 @@ async def test_a_failed_loop_shows_in_ready_and_status(
     assert wrong.status_code == 405 and missing.status_code == 404
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+async def test_status_reads_redis_once_more_after_a_dropped_connection(
+    redis_url: str, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: int
+) -> None:
+    """Right after Redis restarts a pooled connection can fail once: the status route asks
+    again 0.2 s later; only a second failure is a 503."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from services.learner import app as learner_app
+
+    real, calls = learner_app.learner_status, []
+
+    async def flaky(*args: Any) -> LearnerStatus:
+        calls.append(1)
+        if len(calls) <= failures:
+            raise RedisConnectionError("Connection closed by server.")
+        return await real(*args)
+
+    settings = learner_settings(redis_url, keys, tmp_path, tmp_path / "no-such-model")
+    async with running(settings) as client:
+        await wait_for(client, lambda s: s.state == "failed")
+        monkeypatch.setattr(learner_app, "learner_status", flaky)
+        reply = await client.get("/v1/status")
+    assert len(calls) == 2
+    if failures == 1:
+        assert reply.status_code == 200 and reply.json()["state"] == "failed"
+    else:
+        assert reply.status_code == 503 and "Redis unreachable" in reply.json()["message"]
+
+
 async def test_status_of_a_restarted_learner_resumes_its_counts(
     redis_url: str, redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
