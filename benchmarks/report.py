@@ -8,7 +8,7 @@ still run; one whose ``bench`` extra (trl, datasets) is missing is a "skipped" r
 when any failed. ``learning_curve`` (tens of minutes a run) only runs with ``--only``.
 
     python benchmarks/report.py [--reps 3] [--smoke] [--only a,b] [--out runs/bench]
-    scripts/bench [same arguments]   # installs the bench extra first, where it can
+    scripts/bench [same arguments]   # bootstraps first (the bench extra included)
 """
 
 from __future__ import annotations

@@ -30,9 +30,6 @@ BENCHMARKS = {
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_benchmark_smoke(name: str) -> None:
-    if name == "learner_vs_trl":  # the `bench` extra
-        pytest.importorskip("trl")
-        pytest.importorskip("datasets")
     env = {**os.environ, "MEMPO_CACHE": str(CACHE)}
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--smoke"],
