@@ -22,7 +22,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.api.learner import LearnerStatus, LoopState
-from mempo.queue import REDIS_ERRORS, RedisQueue, connect
+from mempo.queue import REDIS_ERRORS, RedisQueue, cancel_and_wait, connect
 from mempo.retry import Backoff
 from mempo.service import NotReady, install_common
 from services.learner.loop import LearnerLoop, learner_status
@@ -86,8 +86,7 @@ class Training:
                 await asyncio.wait_for(asyncio.shield(self._task), drain_timeout_s)
             except TimeoutError:
                 log.warning("the running step did not finish within %.0fs; cancelling", drain_timeout_s)
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await cancel_and_wait([self._task])
         if self.loop is not None:
             await self.loop.aclose()
 

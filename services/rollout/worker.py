@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 from redis.exceptions import RedisError
@@ -31,7 +31,7 @@ from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.membership import Membership
 from mempo.queue import REDIS_ERRORS as QUEUE_REDIS_ERRORS
-from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
+from mempo.queue import Delivery, EngineInfo, RedisQueue, cancel_and_wait, redis_problem
 from mempo.retry import Backoff, retry_async
 from mempo.schemas import Group, Task, parse_weight_version
 from services.rollout.episode import EpisodeConfig, EpisodeRunner
@@ -199,7 +199,7 @@ class RolloutWorker:
             await self._drain()
         finally:
             self.consuming = False
-            await _cancel(list(self._handlers.values()))
+            await cancel_and_wait(list(self._handlers.values()))
         return handled
 
     def _spawn(self, delivery: Delivery[Task], slots: asyncio.Semaphore) -> None:
@@ -236,7 +236,7 @@ class RolloutWorker:
         finally:
             released.set()  # the lease ends between two renewals
             await asyncio.wait([lease], timeout=2.0)
-            await _cancel([lease])
+            await cancel_and_wait([lease])
             self.metrics.task_finished(ok, time.perf_counter() - started)
         if ok:
             with contextlib.suppress(*REDIS_ERRORS):
@@ -328,7 +328,7 @@ class RolloutWorker:
         if main:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(main[0]), self.settings.drain_timeout_s + 5)
-        await _cancel(self._background)
+        await cancel_and_wait(self._background)
         if self.membership is not None:
             await self.membership.leave(self.settings.worker_id)
 
@@ -382,14 +382,3 @@ class RolloutWorker:
         return await retry_async(
             fn, attempts=30, backoff=Backoff(base=0.2, cap=10.0), retry_on=REDIS_ERRORS, what=what
         )
-
-
-async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel and wait. A cancellation can be swallowed (redis-py may turn one that lands
-    mid-command into a ConnectionError, which a retry loop catches), so cancel until done."""
-    pending = [t for t in tasks if not t.done()]
-    while pending:
-        for t in pending:
-            t.cancel()
-        await asyncio.wait(pending, timeout=1.0)
-        pending = [t for t in pending if not t.done()]

@@ -10,7 +10,7 @@ import pytest
 from mempo.bm25 import LocalSearch
 from mempo.keys import ROLLOUT_GROUP, Keys
 from mempo.procs import free_port
-from mempo.queue import RedisQueue, connect
+from mempo.queue import RedisQueue, cancel_and_wait, connect
 from mempo.schemas import Group, Task
 from mempo_sim.world import World
 from tests.services.rollout.scripted import ScriptedEngine, ScriptedScorer, booted_worker
@@ -139,8 +139,7 @@ async def test_a_killed_worker_s_tasks_are_finished_by_another(
                 stuck.in_flight if dies == "before publish" else await doomed.stream_lengths()
             ) == (6 if dies == "before publish" else {"tasks": 3, "groups": 3, "dead": 0}):
                 break
-        loop.cancel()  # the kill: no drain, no ack
-        await asyncio.gather(loop, return_exceptions=True)
+        await cancel_and_wait([loop])  # the kill: no drain, no ack
     assert await pending_tasks(redis_client, keys) == 3
 
     await asyncio.sleep(0.35)
