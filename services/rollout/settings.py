@@ -78,8 +78,9 @@ class WorkerSettings(RedisSettings):
     claim_idle_ms: int = Field(default=60_000, ge=1)
     """A task pending this long on a silent worker is reclaimed by another."""
 
-    claim_block_ms: int = Field(default=1000, ge=1)
-    """How long one claim blocks waiting for a new task."""
+    claim_block_ms: int = Field(default=1000, ge=1, le=4000)
+    """How long one claim blocks waiting for a new task (under the Redis client's 5 s
+    read timeout: a longer block times out on every claim)."""
 
     max_deliveries: int = Field(default=3, ge=1)
     """A task delivered this many times without success goes to the dead stream."""

@@ -41,6 +41,23 @@ async def test_blocking_claim_times_out(redis_client: Any, keys: Keys) -> None:
     assert await q.claim_task(block_ms=50) is None
 
 
+async def test_the_longest_claim_block_a_worker_accepts_ends_empty_not_in_a_timeout(
+    redis_client: Any, keys: Keys
+) -> None:
+    """redis-py 8 reads with a 5 s socket timeout: a longer XREADGROUP BLOCK raised
+    TimeoutError on every claim, so the worker's setting stops below it."""
+    from annotated_types import Le
+
+    from services.rollout.settings import WorkerSettings
+
+    field = WorkerSettings.model_fields["claim_block_ms"]
+    longest = next(m.le for m in field.metadata if isinstance(m, Le))
+    assert isinstance(longest, int) and longest < 5000
+    q = queue(redis_client, keys, "a")
+    await q.ensure_groups()
+    assert await q.claim_task(block_ms=longest) is None
+
+
 async def test_reclaim_after_a_consumer_dies(redis_client: Any, keys: Keys) -> None:
     dead, alive = queue(redis_client, keys, "dead"), queue(redis_client, keys, "alive")
     await dead.ensure_groups()
