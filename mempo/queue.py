@@ -17,7 +17,6 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -84,22 +83,6 @@ def connect(url: str, password: str | None = None) -> aioredis.Redis:
             "the Redis URL does not parse (URL-quote a password in it, or set the password "
             "in the service's REDIS_PASSWORD setting)"
         ) from None
-
-
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], every_s: float = 1.0) -> None:
-    """Cancel ``tasks`` and wait until each has ended, cancelling again every ``every_s``.
-
-    One cancel is not always enough for a task that talks to Redis: on Python 3.11,
-    ``asyncio.wait_for`` loses a cancellation that lands as the call it waits on completes
-    (CPython gh-86296), and redis-py sends every command under ``wait_for`` when the client
-    has a socket timeout (redis-py 8's default: 5 s). A loop of claims cancelled at a random
-    moment went on running after 1-4% of single cancels (17 of 400, 2026-12-07)."""
-    pending = [t for t in tasks if not t.done()]
-    while pending:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=every_s)
-        pending = [t for t in pending if not t.done()]
 
 
 async def redis_problem(redis: aioredis.Redis, timeout_s: float = 2.0) -> str | None:

@@ -22,8 +22,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.api.learner import LearnerStatus, LoopState
-from mempo.queue import REDIS_ERRORS, RedisQueue, cancel_and_wait, connect
-from mempo.retry import Backoff
+from mempo.queue import REDIS_ERRORS, RedisQueue, connect
+from mempo.retry import Backoff, cancel_and_wait
 from mempo.service import NotReady, install_common
 from services.learner.loop import LearnerLoop, learner_status
 from services.learner.settings import LearnerSettings

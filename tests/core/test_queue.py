@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
-from mempo.queue import EngineInfo, RedisQueue, cancel_and_wait
+from mempo.queue import EngineInfo, RedisQueue
+from mempo.retry import cancel_and_wait
 from mempo.schemas import Task
 from tests.core.test_schemas import make_group
 
@@ -163,28 +164,6 @@ async def test_prefixes_isolate_runs(redis_client: Any) -> None:
     assert await a.claim_task(block_ms=None) is not None
     with pytest.raises(ValueError):
         Keys("bad prefix*")
-
-
-async def test_cancel_and_wait_ends_a_task_that_lost_a_cancellation() -> None:
-    lost = 0
-
-    async def loses_one() -> None:  # as asyncio.wait_for on Python 3.11 can (CPython gh-86296)
-        nonlocal lost
-        while True:
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                if lost:
-                    raise
-                lost += 1
-
-    task = asyncio.create_task(loses_one())
-    await asyncio.sleep(0)
-    task.cancel()
-    await asyncio.wait([task], timeout=0.1)
-    assert not task.done() and lost == 1  # one cancel was not enough
-    await asyncio.wait_for(cancel_and_wait([task], every_s=0.05), 5)
-    assert task.cancelled()
 
 
 async def test_claim_loops_cancelled_at_any_moment_all_end(redis_client: Any, keys: Keys) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from mempo.retry import Backoff, RetryableStatus, request
+from mempo.retry import Backoff, RetryableStatus, cancel_and_wait, request
 
 
 def test_backoff_is_capped() -> None:
@@ -43,3 +45,25 @@ async def test_request_gives_up() -> None:
         with pytest.raises(RetryableStatus):
             await request(client, "GET", "http://x/", attempts=3, backoff=Backoff(base=0.001, cap=0.002))
     assert len(seen) == 3
+
+
+async def test_cancel_and_wait_ends_a_task_that_lost_a_cancellation() -> None:
+    lost = 0
+
+    async def loses_one() -> None:  # as asyncio.wait_for on Python 3.11 can (CPython gh-86296)
+        nonlocal lost
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost += 1
+
+    task = asyncio.create_task(loses_one())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.wait([task], timeout=0.1)
+    assert not task.done() and lost == 1  # one cancel was not enough
+    await asyncio.wait_for(cancel_and_wait([task], every_s=0.05), 5)
+    assert task.cancelled()

@@ -10,7 +10,8 @@ import pytest
 from mempo.bm25 import LocalSearch
 from mempo.keys import ROLLOUT_GROUP, Keys
 from mempo.procs import free_port
-from mempo.queue import RedisQueue, cancel_and_wait, connect
+from mempo.queue import RedisQueue, connect
+from mempo.retry import cancel_and_wait
 from mempo.schemas import Group, Task
 from mempo_sim.world import World
 from tests.services.rollout.scripted import ScriptedEngine, ScriptedScorer, booted_worker
