@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from mempo.weights import assign_weights, load_checked, module_tree_copy
+from mempo.model_weights import assign_weights, module_tree_copy
+from mempo.weights import load_checked
 
 log = logging.getLogger(__name__)
 

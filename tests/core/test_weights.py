@@ -268,7 +268,7 @@ def test_a_module_tree_copy_takes_new_weights_and_leaves_the_model_alone(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mempo.weights import assign_weights, module_tree_copy
+    from mempo.model_weights import assign_weights, module_tree_copy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -13,13 +13,9 @@ from typing import Any
 
 import torch
 
+from mempo.model_weights import assign_weights
 from mempo.weight_sync import broadcast, empty_bucket, parse_dtype, unflatten
-from mempo.weights import (
-    WeightsOutsideRoot,
-    assign_weights,
-    check_finite,
-    load_checked,
-)
+from mempo.weights import WeightsOutsideRoot, check_finite, load_checked
 
 log = logging.getLogger(__name__)
 
