@@ -6,14 +6,14 @@
   a stack trace, logged once, and the keep-alive connection stays usable.
 - ``require_admin``: admin routes take ``Authorization: Bearer <token>`` when a token is
   configured (401 when missing, 403 when wrong). Tokens are never logged.
-- ``/health``, ``/ready`` and ``/metrics`` (Prometheus text, one registry per app).
+- ``/health``, ``/ready`` and ``/metrics`` (Prometheus text, one registry per app:
+  mempo.metrics).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,16 +21,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mempo.metrics import CountRequests, Metrics
 
 if TYPE_CHECKING:
     from mempo.settings import ServiceSettings
@@ -168,41 +164,6 @@ class CatchUnexpected:
                 await _send_json(send, 500, body)
 
 
-class CountRequests:
-    """ASGI middleware: requests by route and status, and their latency (to the end of the
-    response), in ``metrics``. Plain ASGI: Starlette's BaseHTTPMiddleware costs about 0.5 ms
-    a request."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500  # until a response starts: an error escaping here is the server's 500
-
-        async def watched(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except Exception:  # not a cancelled request: nobody was answered
-            self.observe(scope, status, started)
-            raise
-        self.observe(scope, status, started)
-
-    def observe(self, scope: Scope, status: int, started: float) -> None:
-        path = getattr(scope.get("route"), "path", "unmatched")  # the router sets it
-        self.metrics.requests.labels(path, str(status)).inc()
-        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
-
-
 # --------------------------------------------------------------------------- limits
 
 
@@ -320,37 +281,6 @@ def inside_root(path: str, root: str | Path | None) -> Path:
 
 
 # --------------------------------------------------------------------------- health and metrics
-
-
-class Metrics:
-    """A Prometheus registry per app (no module globals), with request counters."""
-
-    def __init__(self, service: str) -> None:
-        self.service = service
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            f"mempo_{service}_requests_total",
-            "HTTP requests",
-            ["route", "code"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            f"mempo_{service}_request_latency_seconds",
-            "HTTP request latency",
-            ["route"],
-            registry=self.registry,
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-        )
-
-    def counter(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        return Counter(f"mempo_{self.service}_{what}", doc, list(labels), registry=self.registry)
-
-    def histogram(self, what: str, doc: str, buckets: tuple[float, ...] | None = None) -> Histogram:
-        kwargs: dict[str, Any] = {"buckets": buckets} if buckets else {}
-        return Histogram(f"mempo_{self.service}_{what}", doc, registry=self.registry, **kwargs)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)  # type: ignore[no-any-return]
 
 
 class Health(BaseModel):

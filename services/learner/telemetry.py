@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from mempo.service import Metrics
+from mempo.metrics import Metrics
 
 
 class LearnerMetrics(Metrics):

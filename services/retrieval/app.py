@@ -9,7 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from mempo.api.retrieval import RetrievalInfo, RetrieveRequest, RetrieveResponse
-from mempo.service import ErrorBody, Metrics, install_common
+from mempo.metrics import Metrics
+from mempo.service import ErrorBody, install_common
 from services.retrieval.searcher import RetrievalService
 from services.retrieval.settings import RetrievalSettings
 

@@ -14,7 +14,8 @@ from mempo.api.retrieval import (
     ScoredDocument,
 )
 from mempo.batching import Batcher
-from mempo.service import BadInput, Metrics, NotReady, TooLarge
+from mempo.metrics import Metrics
+from mempo.service import BadInput, NotReady, TooLarge
 from services.retrieval.index import LoadedIndex, open_index
 from services.retrieval.settings import RetrievalSettings
 

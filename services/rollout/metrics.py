@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from mempo.service import Metrics
+from mempo.metrics import Metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from mempo.api.engine import ModelInfo, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from mempo.api.scorer import MemoryScoresRequest, MemoryScoresResponse, ScoreRequest, ScoreResponse
 from mempo.disconnects import cancel_on_disconnect
-from mempo.service import AdminDep, ErrorBody, Forbidden, Metrics, inside_root, install_common
+from mempo.metrics import Metrics
+from mempo.service import AdminDep, ErrorBody, Forbidden, inside_root, install_common
 from mempo.settings import quiet_hub
 from mempo.weights import WeightsOutsideRoot
 from services.scorer.model import LoadedModel, load_initial

@@ -25,7 +25,8 @@ from mempo.api.scorer import (
     ScoreResponse,
 )
 from mempo.batching import Batcher
-from mempo.service import BadInput, Metrics, TooLarge, require_weights_root
+from mempo.metrics import Metrics
+from mempo.service import BadInput, TooLarge, require_weights_root
 from services.scorer.forward import score_rows
 from services.scorer.model import LoadedModel, ModelHolder
 from services.scorer.plan import (

@@ -9,7 +9,8 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from mempo.service import AdminDep, Forbidden, Metrics, Overloaded, inside_root, install_common
+from mempo.metrics import Metrics
+from mempo.service import AdminDep, Forbidden, Overloaded, inside_root, install_common
 from mempo.settings import ServiceSettings
 
 

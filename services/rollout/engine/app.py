@@ -33,7 +33,8 @@ from mempo.api.engine import (
     UpdateWeightsResponse,
 )
 from mempo.disconnects import client_gone
-from mempo.service import AdminDep, Health, Metrics, install_common
+from mempo.metrics import Metrics
+from mempo.service import AdminDep, Health, install_common
 from services.rollout.engine.contract import check_sampling_keys
 from services.rollout.engine.engine import Engine
 from services.rollout.engine.errors import install_sglang_errors

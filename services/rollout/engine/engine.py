@@ -30,7 +30,8 @@ from mempo.api.engine import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsResponse,
 )
-from mempo.service import Forbidden, Metrics, NotReady, inside_root, require_weights_root
+from mempo.metrics import Metrics
+from mempo.service import Forbidden, NotReady, inside_root, require_weights_root
 from mempo.settings import quiet_hub
 from mempo.weight_sync import FLATTENED, join_group
 from services.rollout.engine.model import ModelRunner, WeightsError, WeightsRootError

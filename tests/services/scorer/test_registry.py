@@ -6,9 +6,9 @@ import asyncio
 from pathlib import Path
 
 from mempo.keys import Keys
+from mempo.metrics import Metrics
 from mempo.procs import free_port
 from mempo.queue import RedisQueue
-from mempo.service import Metrics
 from services.scorer.model import LoadedModel
 from services.scorer.registry import Registration, is_newer
 from services.scorer.scorer import ScorerService
