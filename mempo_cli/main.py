@@ -248,8 +248,12 @@ def evaluate_cmd(
         typer.Option(help="a running engine serving --model (SGLang on a GPU); default: start a CPU engine"),
     ] = None,
     world_seed: Annotated[int, typer.Option(help="the agent's world (its test split is held out)")] = 0,
+    transcripts: Annotated[
+        int, typer.Option(min=0, help="write this many decoded episodes per mode and k (transcripts-<mode>-k<k>.md)")
+    ] = 0,
 ) -> None:
-    """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task."""
+    """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task,
+    and how the episodes failed (failure kinds: mempo_cli/launcher/transcripts.py)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -273,7 +277,7 @@ def evaluate_cmd(
     out = out or model.resolve().parent / f"eval-{model.name}"
     engine = engine_url.rstrip("/") if engine_url else None
     opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine,
-                       every_question=every_question, world_seed=world_seed)
+                       every_question=every_question, world_seed=world_seed, transcripts=transcripts)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
@@ -289,7 +293,11 @@ def evaluate_cmd(
             table.add_row(mode, k, f"{f['em']:.3f}", f"{f['f1']:.3f}", f"{f['format_rate']:.2f}",
                           f"{f['tokens_per_task']:.0f}", f"{f['peak_tokens']:.0f}")  # fmt: skip
     Console().print(table)
-    typer.echo(f"wrote {out / 'eval.json'} and {png}")
+    for mode, by_k in report["failures"].items():
+        for k, counts in by_k.items():
+            typer.echo(f"{mode} k={k}: " + ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))
+    written = sorted(out.glob("transcripts-*.md")) if transcripts else []
+    typer.echo(f"wrote {out / 'eval.json'} and {png}" + "".join(f", {p}" for p in written))
 
 
 # Groups and commands defined next to the code they run (their heavy imports stay

@@ -24,6 +24,7 @@ from mempo.procs import free_port
 from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
 from mempo_cli.launcher.supervisor import Supervisor
+from mempo_cli.launcher.transcripts import count_failures, write_transcripts
 from mempo_sim.world import World, WorldConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class EvalOptions:
     max_new_tokens: int = 256
     engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
     every_question: bool = False  # k = 1: every distinct question of the split once (``tasks`` unused)
+    transcripts: int = 0  # decoded episodes written per mode and k (mempo_cli.launcher.transcripts)
 
 
 def summarize(groups: list[Group]) -> dict[str, float]:
@@ -141,18 +143,29 @@ def check_engine(engine_url: str) -> None:
 
 
 def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
-    """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}}."""
+    """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}, "failures":
+    {mode: {k: {kind: episodes}}}} and writes ``opts.transcripts`` decoded episodes per
+    mode and k to ``run_dir`` (transcripts-<mode>-k<k>.md)."""
+    from transformers import AutoTokenizer
+
     results: dict[str, dict[str, dict[str, float]]] = {mode: {} for mode in opts.modes}
+    failures: dict[str, dict[str, dict[str, int]]] = {mode: {} for mode in opts.modes}
     if opts.engine_url:
         check_engine(opts.engine_url)
+    tok = AutoTokenizer.from_pretrained(model)
+    world = World.generate(WorldConfig(seed=opts.world_seed))
     with Supervisor(run_dir) as sup:
         worker = start_eval_services(sup, model, opts)
         for mode in opts.modes:
             for k in opts.ks:
                 groups = asyncio.run(run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score))
                 results[mode][str(k)] = summarize(groups)
-                log.info("eval %s k=%d: %s", mode, k, results[mode][str(k)])
-    return {"model": str(model), "split": opts.split, "results": results}
+                failures[mode][str(k)] = count_failures(world, tok, groups)
+                if opts.transcripts:
+                    write_transcripts(run_dir / f"transcripts-{mode}-k{k}.md", world, tok,
+                                      groups[: opts.transcripts], f"{model}: {mode} mode, k = {k}")  # fmt: skip
+                log.info("eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)])
+    return {"model": str(model), "split": opts.split, "results": results, "failures": failures}
 
 
 def plot_eval(report: dict[str, Any], out: Path) -> Path:

@@ -66,6 +66,9 @@ def sft(
     seed: int = typer.Option(0, help="data order and task seed"),
     world_seed: int = typer.Option(0, help="seed of the synthetic world"),
     worlds: int = typer.Option(1, min=1, help="oracle data from this many worlds (seeds world_seed, +1, ...)"),
+    copy_weight: float = typer.Option(
+        1.0, help="loss weight of the <mem>, <search> and <answer> contents (the copied values) against 1"
+    ),
     device: str = typer.Option("cpu", help="torch device"),
 ) -> None:
     """SFT warm start: train on response tokens only, write an HF checkpoint."""
@@ -91,7 +94,7 @@ def sft(
     if not ks or not all(1 <= n <= 64 for n in ks):
         fail(f"--k: every number of questions must be 1..64 (got {k!r})")
     try:
-        config = SftConfig(lr=lr, steps=steps, epochs=epochs, seed=seed)
+        config = SftConfig(lr=lr, steps=steps, epochs=epochs, seed=seed, copy_weight=copy_weight)
     except ValidationError as exc:
         err = exc.errors()[0]
         fail(f"--{'.'.join(map(str, err['loc']))}: {err['msg']}")

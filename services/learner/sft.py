@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,6 +79,11 @@ class SftConfig(BaseModel):
 
     grad_clip: float = Field(default=1.0, gt=0)
     """Global gradient-norm clip."""
+
+    copy_weight: float = Field(default=1.0, gt=0)
+    """Loss weight of the tokens the agent copies, the contents of its ``<mem>``,
+    ``<search>`` and ``<answer>`` blocks, against 1 for every other response token (the
+    reading drills weight their answers so: mempo_sim/pretrain.py)."""
 
     seed: int = 0
     """Seeds the data order and torch."""
@@ -210,16 +216,56 @@ def jsonl_sequences(tok: Tokenizer, path: Path) -> list[TrainSequence]:
 # --------------------------------------------------------------------------- training
 
 
+def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive positions (one response each)."""
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks) if run.size]
+
+
+def _find(ids: list[int], pattern: list[int], start: int, end: int) -> int:
+    """First index of ``pattern`` in ``ids[start:end]``, or -1."""
+    for i in range(start, end - len(pattern) + 1):
+        if ids[i : i + len(pattern)] == pattern:
+            return i
+    return -1
+
+
+def copy_weights(tok: Tokenizer, sequences: Sequence[TrainSequence], weight: float) -> torch.Tensor:
+    """(K,) loss weight of every trained token of ``sequences`` (TrainingBatch order):
+    ``weight`` inside the contents of a response's <mem>, <search> and <answer> blocks,
+    1 elsewhere."""
+    from mempo.agent_format import DEFAULT_TAGS as T
+
+    tags = [
+        (tok.encode(T.open(name), add_special_tokens=False), tok.encode(T.close(name), add_special_tokens=False))
+        for name in (T.mem, T.search, T.answer)
+    ]
+    out = []
+    for seq in sequences:
+        ids, heavy = seq.input_ids.tolist(), np.zeros(len(seq.input_ids), dtype=bool)
+        for start, end in _runs(seq.positions):
+            for open_ids, close_ids in tags:
+                at = _find(ids, open_ids, start, end)
+                while at >= 0:
+                    body = at + len(open_ids)
+                    close = _find(ids, close_ids, body, end)
+                    heavy[body : close if close >= 0 else end] = True
+                    at = _find(ids, open_ids, close + len(close_ids), end) if close >= 0 else -1
+        out.append(np.where(heavy[seq.positions], weight, 1.0))
+    return torch.from_numpy(np.concatenate(out) if out else np.zeros(0)).float()
+
+
 def _loss(
-    model: torch.nn.Module, batch: TrainingBatch, seqs: list[int], config: SftConfig
+    model: torch.nn.Module, batch: TrainingBatch, seqs: list[int], config: SftConfig, weights: torch.Tensor
 ) -> float:
-    """Token-mean NLL of ``seqs``' response tokens, accumulated over micro-batches."""
-    total = float(sum(batch.sequences[i].num_trained for i in seqs))
+    """Weighted token-mean NLL of ``seqs``' response tokens (``weights``: (K,) of the
+    batch), accumulated over micro-batches."""
+    total = float(weights[batch.token_index(seqs)].sum())
     device = next(model.parameters()).device
     value = 0.0
     for micro in micro_batches(batch, seqs, config.micro_batch_tokens, config.row_tokens):
         logp, _ = forward_logprobs(model, micro.to(device))
-        loss = -logp.sum() / total
+        loss = -(logp * weights[micro.token_index].to(device)).sum() / total
         loss.backward()
         value += float(loss.detach())
     return value
@@ -253,7 +299,7 @@ def train_sft(
     device: str = "cpu",
 ) -> SftReport:
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.learner.trainer import seed_everything
 
@@ -269,6 +315,11 @@ def train_sft(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
     batch = TrainingBatch.of(sequences)
+    weights = (
+        torch.ones(batch.num_tokens)
+        if config.copy_weight == 1.0
+        else copy_weights(cast(Tokenizer, AutoTokenizer.from_pretrained(model_path)), sequences, config.copy_weight)
+    )
     per_step = min(config.batch_sequences, len(sequences))
     steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -278,7 +329,7 @@ def train_sft(
     tokens, started = 0, time.perf_counter()
     for step, seqs in enumerate(_batches(len(sequences), per_step, steps, config.seed), start=1):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(_loss(model, batch, seqs, config))
+        losses.append(_loss(model, batch, seqs, config, weights))
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         scheduler.step()

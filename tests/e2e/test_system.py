@@ -110,7 +110,7 @@ def test_mempo_eval_uses_a_running_engine(finished: System, tiny_model_dir: Path
 
     def mempo_eval(engine_url: str, out: Path) -> subprocess.CompletedProcess[str]:
         argv = ["eval", "--model", str(tiny_model_dir), "--engine-url", engine_url, "--ks", "1",
-                "--tasks", "2", "--modes", "memory", "--score", "--out", str(out)]  # fmt: skip
+                "--tasks", "2", "--modes", "memory", "--score", "--transcripts", "1", "--out", str(out)]  # fmt: skip
         return subprocess.run([sys.executable, "-m", "mempo_cli", *argv], capture_output=True, text=True, timeout=300)
 
     done = mempo_eval(finished.ends.engines[0], tmp_path / "eval")
@@ -118,6 +118,10 @@ def test_mempo_eval_uses_a_running_engine(finished: System, tiny_model_dir: Path
     figures = json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]["memory"]["1"]
     assert figures["tasks"] == 2 and figures["tokens_per_task"] > 0 and 0 <= figures["em"] <= 1
     assert "p_mem" in figures or figures["format_rate"] < 1  # scored wherever a memory was written
+    failures = json.loads((tmp_path / "eval" / "eval.json").read_text())["failures"]["memory"]["1"]
+    assert sum(failures.values()) == 2 and failures["correct"] == round(2 * figures["em"])
+    transcript = (tmp_path / "eval" / "transcripts-memory-k1.md").read_text()
+    assert transcript.count("## episode ") == 1 and "round 1 (" in transcript
     assert sorted(p.name for p in (tmp_path / "eval" / "logs").iterdir()) == [
         "retrieval.log", "scorer.log", "worker.log"
     ]

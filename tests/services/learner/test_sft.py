@@ -25,6 +25,7 @@ from services.learner.batch import TrainingBatch
 from services.learner.packing import forward_logprobs, micro_batches
 from services.learner.sft import (
     SftConfig,
+    copy_weights,
     jsonl_sequences,
     oracle_rounds,
     oracle_sequences,
@@ -117,6 +118,51 @@ def test_sft_lowers_the_loss_and_writes_a_loadable_policy(
     assert not list(tmp_path.glob(".tmp-*"))
     trainer = Trainer(TrainerConfig(beta_kl=0.0), out)  # usable as the policy
     assert trainer.vocab_size == base.config.vocab_size
+
+
+@pytest.mark.parametrize("mode", ["memory", "full"])
+def test_copy_weights_cover_the_mem_search_and_answer_contents(tokenizer: object, mode: str) -> None:
+    sequences = oracle_sequences(tokenizer, tasks=2, k=2, mode=mode)  # type: ignore[arg-type]
+    weights = copy_weights(tokenizer, sequences, 5.0)  # type: ignore[arg-type]
+    batch = TrainingBatch.of(sequences)
+    assert weights.shape == (batch.num_tokens,) and set(weights.tolist()) == {1.0, 5.0}
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    for i, seq in enumerate(sequences):
+        w = weights[batch.offsets[i] : batch.offsets[i + 1]].numpy()
+        heavy = decode(seq.input_ids[seq.positions[w == 5.0]])
+        light = decode(seq.input_ids[seq.positions[w == 1.0]])
+        for tag in ("<mem>", "</mem>", "<search>", "<answer>", "<think>", "needs the"):
+            assert tag not in heavy  # tags and thoughts keep weight 1
+        memory = decode(seq.input_ids[seq.positions]).split("<mem>")[1].split("</mem>")[0]
+        assert memory.split(";")[0].strip() in heavy
+        assert "<mem>" in light and "</mem>" in light and "<think>" in light
+    answered = [i for i, s in enumerate(sequences) if "<answer>" in decode(s.input_ids[s.positions])]
+    assert answered  # every task ends with an answer round, its answer weighted
+    seq = sequences[answered[0]]
+    w = weights[batch.offsets[answered[0]] : batch.offsets[answered[0] + 1]].numpy()
+    answer = decode(seq.input_ids[seq.positions]).split("<answer>")[1].split("</answer>")[0].strip()
+    assert answer in decode(seq.input_ids[seq.positions[w == 5.0]])
+
+
+def test_copy_weight_scales_the_loss_of_the_copied_tokens_only(tiny_model_dir: Path, tokenizer: object) -> None:
+    """The weighted loss is the weighted mean of the per-token NLL (reference below)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.sft import _loss
+
+    sequences = oracle_sequences(tokenizer, tasks=1, k=2, mode="memory")  # type: ignore[arg-type]
+    batch, seqs = TrainingBatch.of(sequences), list(range(len(sequences)))
+    weights = copy_weights(tokenizer, sequences, 3.0)  # type: ignore[arg-type]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        nll = -torch.cat([forward_logprobs(model, m)[0] for m in micro_batches(batch, seqs, 8192, 512)])
+        index = torch.cat([m.token_index for m in micro_batches(batch, seqs, 8192, 512)])
+    expected = float((nll * weights[index]).sum() / weights.sum())
+    plain = float(nll.mean())
+    config = SftConfig(micro_batch_tokens=8192, row_tokens=512)
+    assert _loss(model, batch, seqs, config, weights) == pytest.approx(expected, rel=1e-5)
+    assert _loss(model, batch, seqs, config, torch.ones(batch.num_tokens)) == pytest.approx(plain, rel=1e-5)
+    model.zero_grad()
 
 
 def test_jsonl_rounds_train_on_the_response_only(tokenizer: object, tmp_path: Path) -> None:
