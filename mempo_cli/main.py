@@ -126,6 +126,9 @@ def up(
     weight_sync: Annotated[
         str, typer.Option(help="how the engines get each version: disk | broadcast (gloo, SGLang's protocol)")
     ] = "disk",
+    reward: Annotated[
+        str, typer.Option(help="outcome reward: em (every sub-answer right) | fraction (the share right) | f1")
+    ] = "em",
     heldout: Annotated[bool, typer.Option(help="score every held-out question before and after RL (greedy)")] = True,
     seed: Annotated[int, typer.Option(help="sampling, task order and initialisation")] = 0,
     world_seed: Annotated[int, typer.Option(help="the agent's world; the warm start learns it and the next 7")] = 0,
@@ -155,6 +158,8 @@ def up(
         fail(f"--mem-loss must be shared or span-mean (got {mem_loss!r})")
     if weight_sync not in ("disk", "broadcast"):
         fail(f"--weight-sync must be disk or broadcast (got {weight_sync!r})")
+    if reward not in ("em", "fraction", "f1"):
+        fail(f"--reward must be em, fraction or f1 (got {reward!r})")
     quiet_hub()
     configure_logging("WARNING")
     opts = UpOptions(
@@ -163,7 +168,7 @@ def up(
         batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
         lr=lr, warmup_steps=warmup_steps, decay_steps=lr_decay_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl,
         alpha=alpha, mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, mem_loss=mem_loss, seed=seed,
-        world_seed=world_seed, display=display, weight_sync=weight_sync,
+        world_seed=world_seed, display=display, weight_sync=weight_sync, reward=reward,
     )
     policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=world_seed))
     check = replace(HELDOUT, world_seed=world_seed)

@@ -50,6 +50,7 @@ class UpOptions:
     neg_adv_scale: float | None = None  # negative advantages multiplied by this
     mem_loss: str | None = None  # shared | span-mean: how the <mem> tokens' loss is aggregated
     weight_sync: str = "disk"  # disk | broadcast: how the rollout engines get each version
+    reward: str | None = None  # em | fraction | f1: the workers' outcome reward (None: theirs, em)
     seed: int = 0
     world_seed: int = 0  # the agent's world (retrieval's corpus, the learner's tasks)
     display: bool = True
@@ -131,7 +132,8 @@ def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str
                 MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
                 MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
                 MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
-                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000, MEMPO_ROLLOUT_MAX_NEW_TOKENS=opts.max_new_tokens))))
+                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000, MEMPO_ROLLOUT_MAX_NEW_TOKENS=opts.max_new_tokens,
+                MEMPO_ROLLOUT_REWARD_KIND=opts.reward))))
     learner_env = _env(
         opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
         MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,

@@ -25,6 +25,7 @@ class WarmStart:
     mode: str = "memory"
     steps: int = 300
     lr: float = 2e-3
+    copy_weight: float = 1.0  # loss weight of the copied values (mempo sft --copy-weight)
     seed: int = 0
 
     def key(self, base: Path) -> str:
@@ -38,7 +39,7 @@ def sft_command(spec: WarmStart, base: Path, out: Path) -> list[str]:
         sys.executable, "-m", "mempo_cli", "sft", "--out", str(out), "--model", str(base),
         "--tasks", str(spec.tasks), "--worlds", str(spec.worlds), "--world-seed", str(spec.world_seed),
         "--k", spec.k, "--mode", spec.mode, "--steps", str(spec.steps), "--lr", str(spec.lr),
-        "--seed", str(spec.seed),
+        "--copy-weight", str(spec.copy_weight), "--seed", str(spec.seed),
     ]  # fmt: skip
 
 

@@ -45,6 +45,7 @@ def test_plot_refuses_a_folder_without_figures(tmp_path: Path, content: str | No
     [
         (["up", "--mode", "both"], "--mode must be memory or full"),
         (["up", "--model", "/nonexistent"], "not an HF model folder"),
+        (["up", "--reward", "accuracy"], "--reward must be em, fraction or f1"),
         (["eval", "--model", "/nonexistent"], "not an HF model folder"),
         (["tiny", "build", "--out", "x", "--preset", "huge"], "unknown preset"),
         (["tiny", "build"], "give --out DIR or --ship"),
