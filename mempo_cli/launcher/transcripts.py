@@ -134,8 +134,8 @@ def write_transcripts(path: Path, world: World, tok: Any, groups: Sequence[Group
                   f"{traj.format_ok}, {traj.num_tokens} tokens)", ""]  # fmt: skip
         for rnd, text in zip(traj.rounds, responses, strict=True):
             lines += [f"round {rnd.index + 1} ({len(rnd.prompt_ids)} prompt tokens):", "```", text.strip(), "```"]
-            if rnd.information:
-                lines += ["search result:", "```", rnd.information.strip(), "```"]
+            if rnd.query is not None:
+                lines += ["search result:", "```", (rnd.information or "").strip() or "(nothing found)", "```"]
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

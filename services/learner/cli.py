@@ -61,7 +61,9 @@ def sft(
     epochs: float = typer.Option(3.0, min=0.01, help="passes over the data when --steps is unset"),
     lr: float = typer.Option(1e-3, min=0.0, help="peak learning rate (1e-5 for 7B-class models)"),
     tasks: int = typer.Option(64, min=1, help="oracle tasks per mode"),
-    k: str = typer.Option("1", help='questions per task: "2", "1,2,4" or "1-3" (--tasks of each)'),
+    k: str = typer.Option(
+        "1", help='questions per task: "2", "1,2,4" or "1-3" (--tasks of each; "1,2,2": twice as many of 2)'
+    ),
     mode: str = typer.Option("memory", help="memory | full | both"),
     seed: int = typer.Option(0, help="data order and task seed"),
     world_seed: int = typer.Option(0, help="seed of the synthetic world"),

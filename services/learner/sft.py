@@ -153,8 +153,8 @@ def oracle_sequences(
     worlds: int = 1,
 ) -> list[TrainSequence]:
     """Training sequences of the oracle on ``tasks`` train-split tasks of each number of
-    questions in ``k``, in each mode, in each of ``worlds`` worlds (seeds ``world_seed``,
-    ``world_seed + 1``, ...). Several worlds give the same skills with different facts:
+    questions in ``k`` (a number given twice: twice as many, other tasks), in each mode, in
+    each of ``worlds`` worlds (seeds ``world_seed``, ``world_seed + 1``, ...). Several worlds give the same skills with different facts:
     a policy cannot memorise them and must learn to search, read and copy."""
     from mempo.bm25 import LocalSearch
     from mempo_sim.oracle import Oracle
@@ -172,7 +172,11 @@ def oracle_sequences(
             return format_documents(index.retrieve([query], 3)[0])
 
         for m in modes:
-            for questions, _ in (t for n in ks for t in world.tasks("train", n, tasks, seed=seed)):
+            for questions, _ in (
+                t
+                for i, n in enumerate(ks)
+                for t in world.tasks("train", n, tasks, seed=seed + 7919 * ks[:i].count(n))
+            ):
                 traj = Trajectory(rounds=oracle_rounds(tok, questions, search, oracle, m))
                 sequences.extend(trajectory_sequences(traj, full_mode=m == "full"))
     return sequences
@@ -237,7 +241,10 @@ def copy_weights(tok: Tokenizer, sequences: Sequence[TrainSequence], weight: flo
     from mempo.agent_format import DEFAULT_TAGS as T
 
     tags = [
-        (tok.encode(T.open(name), add_special_tokens=False), tok.encode(T.close(name), add_special_tokens=False))
+        (
+            tok.encode(T.open(name), add_special_tokens=False),
+            tok.encode(T.close(name), add_special_tokens=False),
+        )
         for name in (T.mem, T.search, T.answer)
     ]
     out = []
@@ -256,7 +263,11 @@ def copy_weights(tok: Tokenizer, sequences: Sequence[TrainSequence], weight: flo
 
 
 def _loss(
-    model: torch.nn.Module, batch: TrainingBatch, seqs: list[int], config: SftConfig, weights: torch.Tensor
+    model: torch.nn.Module,
+    batch: TrainingBatch,
+    seqs: list[int],
+    config: SftConfig,
+    weights: torch.Tensor,
 ) -> float:
     """Weighted token-mean NLL of ``seqs``' response tokens (``weights``: (K,) of the
     batch), accumulated over micro-batches."""
@@ -318,7 +329,11 @@ def train_sft(
     weights = (
         torch.ones(batch.num_tokens)
         if config.copy_weight == 1.0
-        else copy_weights(cast(Tokenizer, AutoTokenizer.from_pretrained(model_path)), sequences, config.copy_weight)
+        else copy_weights(
+            cast(Tokenizer, AutoTokenizer.from_pretrained(model_path)),
+            sequences,
+            config.copy_weight,
+        )
     )
     per_step = min(config.batch_sequences, len(sequences))
     steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))

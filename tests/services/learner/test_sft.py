@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,6 +71,16 @@ def test_oracle_sequences_of_several_question_counts(tokenizer: object) -> None:
     two = oracle_sequences(tokenizer, tasks=3, k=2, mode="full")  # type: ignore[arg-type]
     both = oracle_sequences(tokenizer, tasks=3, k=[1, 2], mode="full")  # type: ignore[arg-type]
     assert [s.input_ids.tolist() for s in both] == [s.input_ids.tolist() for s in one + two]
+
+
+def test_a_number_of_questions_given_twice_gives_twice_the_tasks(tokenizer: Any) -> None:
+    once = oracle_sequences(tokenizer, tasks=3, k=[1, 2])
+    twice = oracle_sequences(tokenizer, tasks=3, k=[1, 2, 2])
+    assert [s.input_ids.tolist() for s in twice[: len(once)]] == [s.input_ids.tolist() for s in once]
+    extra = [tokenizer.decode(s.input_ids[: s.positions[0]]) for s in twice[len(once) :]]
+    assert len(extra) > 6 and all(text.count("?") >= 2 for text in extra)  # 2-question prompts
+    firsts = {tokenizer.decode(s.input_ids) for s in once}
+    assert not firsts & {tokenizer.decode(s.input_ids) for s in twice[len(once) :]}  # other tasks
 
 
 def test_oracle_sequences_from_several_worlds(tokenizer: object) -> None:
