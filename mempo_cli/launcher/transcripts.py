@@ -11,6 +11,8 @@ of this list that fits it:
   for what it already has, typically after writing the wrong value into its memory);
 - ``no_answer``: no answer otherwise (the round limit, or a response out of format);
 - ``one_answer``: fewer sub-answers than questions (a question dropped);
+- ``unsearched``: a question's subject was never searched for (the agent lost track of
+  a question: it searched a name it made up, or another question's);
 - ``subject_in_memory``: a memory records a question's subject (or a hop's) as a value
   found (``Q1 = Drobo`` after reading "Drobo was born in ... Melthi");
 - ``wrong_relation``: a memory records another fact of the entity a hop asks about (the
@@ -31,7 +33,8 @@ from mempo.rewards import split_answers
 from mempo.schemas import Group, Trajectory
 from mempo_sim.world import Question, World
 
-KINDS = ("correct", "loop", "no_answer", "one_answer", "subject_in_memory", "wrong_relation", "wrong_value")
+KINDS = ("correct", "loop", "no_answer", "one_answer", "unsearched", "subject_in_memory", "wrong_relation",
+         "wrong_value")  # fmt: skip
 _ENTRY = re.compile(r"\s*Q(\d+)\s*([:=])\s*(.*)$")
 
 
@@ -47,7 +50,10 @@ def memory_values(memory: str, k: int) -> list[tuple[list[str], str | None]]:
         if match.group(2) == "=":
             out[int(match.group(1)) - 1] = ([], body or None)
         else:
-            out[int(match.group(1)) - 1] = ([v.strip() for v in body.split(">") if v.strip() not in ("", "?")], None)
+            out[int(match.group(1)) - 1] = (
+                [v.strip() for v in body.split(">") if v.strip() not in ("", "?")],
+                None,
+            )
     return out
 
 
@@ -78,7 +84,9 @@ def _value_kind(world: World, spec: Question, position: int | None, value: str) 
     return None
 
 
-def failure_kind(world: World, questions: Sequence[str], traj: Trajectory, memories: Sequence[str]) -> str:
+def failure_kind(
+    world: World, questions: Sequence[str], traj: Trajectory, memories: Sequence[str]
+) -> str:
     """The episode's kind (module docstring); ``memories``: the memory of each round."""
     if traj.correct:
         return "correct"
@@ -89,6 +97,9 @@ def failure_kind(world: World, questions: Sequence[str], traj: Trajectory, memor
     if k > 1 and sum(bool(p) for p in split_answers(traj.answer_text, k)) < k:
         return "one_answer"
     specs = [world.question(q) for q in questions]
+    queries = [r.query.lower() for r in traj.rounds if r.query]
+    if any(spec and not any(spec.subject.lower() in q for q in queries) for spec in specs):
+        return "unsearched"
     found: set[str] = set()
     for memory in memories:
         for spec, (values, final) in zip(specs, memory_values(memory, k), strict=True):
@@ -109,7 +120,11 @@ def decoded(tok: Any, traj: Trajectory) -> list[str]:
 
 
 def memories(responses: Sequence[str]) -> list[str]:
-    return [m for m in (parse_response(t, require_memory=False).memory for t in responses) if m is not None]
+    return [
+        m
+        for m in (parse_response(t, require_memory=False).memory for t in responses)
+        if m is not None
+    ]
 
 
 def count_failures(world: World, tok: Any, groups: Sequence[Group]) -> dict[str, int]:
@@ -121,7 +136,9 @@ def count_failures(world: World, tok: Any, groups: Sequence[Group]) -> dict[str,
     return counts
 
 
-def write_transcripts(path: Path, world: World, tok: Any, groups: Sequence[Group], title: str) -> Path:
+def write_transcripts(
+    path: Path, world: World, tok: Any, groups: Sequence[Group], title: str
+) -> Path:
     """The episodes of ``groups`` as Markdown, each with its failure kind."""
     lines = [f"# {title}", ""]
     for number, group in enumerate(groups, start=1):
@@ -133,9 +150,19 @@ def write_transcripts(path: Path, world: World, tok: Any, groups: Sequence[Group
                   f"- gold: {gold}", f"- answer: {traj.answer_text!r} (reward {traj.reward:.2f}, format ok "
                   f"{traj.format_ok}, {traj.num_tokens} tokens)", ""]  # fmt: skip
         for rnd, text in zip(traj.rounds, responses, strict=True):
-            lines += [f"round {rnd.index + 1} ({len(rnd.prompt_ids)} prompt tokens):", "```", text.strip(), "```"]
+            lines += [
+                f"round {rnd.index + 1} ({len(rnd.prompt_ids)} prompt tokens):",
+                "```",
+                text.strip(),
+                "```",
+            ]
             if rnd.query is not None:
-                lines += ["search result:", "```", (rnd.information or "").strip() or "(nothing found)", "```"]
+                lines += [
+                    "search result:",
+                    "```",
+                    (rnd.information or "").strip() or "(nothing found)",
+                    "```",
+                ]
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
