@@ -90,14 +90,13 @@ def failure_kind(
     """The episode's kind (module docstring); ``memories``: the memory of each round."""
     if traj.correct:
         return "correct"
+    queries = [r.query.lower() for r in traj.rounds if r.query]
     if traj.answer_text is None:
-        queries = Counter(r.query for r in traj.rounds if r.query)
-        return "loop" if queries and max(queries.values()) >= 3 else "no_answer"
+        return "loop" if queries and max(Counter(queries).values()) >= 3 else "no_answer"
     k = len(questions)
     if k > 1 and sum(bool(p) for p in split_answers(traj.answer_text, k)) < k:
         return "one_answer"
     specs = [world.question(q) for q in questions]
-    queries = [r.query.lower() for r in traj.rounds if r.query]
     if any(spec and not any(spec.subject.lower() in q for q in queries) for spec in specs):
         return "unsearched"
     found: set[str] = set()
