@@ -75,7 +75,7 @@ K_FIGURES = {"em": "em", "f1": "f1", "format_rate": "format", "tokens_per_task":
 
 # The recommended recipe (docs/results.md, issue 39): SFT on oracle trajectories of 1- and
 # 2-question tasks, longer than the demo's warm start; RL on the same mix with partial credit.
-RECIPE = {"steps": 2000, "k": "1,2", "tasks": 256, "copy_weight": 1.0}
+RECIPE = {"steps": 2000, "k": "1,2,2", "tasks": 256, "copy_weight": 1.0}
 DEFAULT_ARMS = ("mempo-a01", "grpo")
 
 # Step metrics of the learner (docs/trainer.md) averaged over each RL run.
@@ -246,8 +246,9 @@ def main() -> None:
     parser.add_argument("--seed-base", type=int, default=0, help="the first seed")
     parser.add_argument("--out", type=Path, default=Path("runs/learning-curve"))
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"RL arms, from {','.join(ARMS)}")
-    parser.add_argument("--sft-mode", default="both", choices=["memory", "both"],
-                        help="both: the policy also learns full mode, so full-mode tokens compare like with like")
+    parser.add_argument("--sft-mode", default="memory", choices=["memory", "both"],
+                        help="both: the policy also learns full mode (full-mode tokens compare like with like; "
+                             "it needs about twice the steps)")
     parser.add_argument("--sft-steps", type=int, default=RECIPE["steps"], help="SFT optimizer steps")
     parser.add_argument("--sft-k", default=RECIPE["k"], help="questions per SFT task")
     parser.add_argument("--sft-tasks", type=int, default=RECIPE["tasks"], help="SFT oracle tasks per world and k")
