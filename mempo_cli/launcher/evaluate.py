@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from mempo.agent_format import first_prompt_ids, full_next_prompt_ids, information_ids
 from mempo.procs import free_port
 from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
@@ -69,6 +70,28 @@ def summarize(groups: list[Group]) -> dict[str, float]:
         out["p_mem"] = statistics.fmean(p_mem)
         out["p_full"] = statistics.fmean(p for t in trajs for p in t.p_full)
     return out
+
+
+def full_history_figures(tok: Any, groups: list[Group]) -> dict[str, float]:
+    """What memory-mode episodes would have cost with the full history in context: each
+    round's prompt replayed as full mode builds it (the first prompt, then every earlier
+    response and search result appended), the same responses. Tokens per task and peak
+    context, like ``summarize``'s, of the same episodes; a policy that never learnt full
+    mode is measured by these, not by running it in full mode."""
+    totals, peaks = [], []
+    for group in groups:
+        prompt, total, peak = first_prompt_ids(tok, group.task.questions), 0, 0
+        for rnd in group.trajectories[0].rounds:
+            response = rnd.response_ids.tolist()
+            total, peak = total + len(prompt) + len(response), max(peak, len(prompt) + len(response))
+            prompt = full_next_prompt_ids(prompt, response, information_ids(tok, rnd.information or ""))
+        totals.append(total)
+        peaks.append(peak)
+    return {
+        "full_history_tokens_per_task": statistics.fmean(totals),
+        "full_history_peak_tokens": float(max(peaks)),
+        "full_history_peak_tokens_mean": statistics.fmean(peaks),
+    }
 
 
 async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score: bool) -> list[Group]:
@@ -160,6 +183,8 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
             for k in opts.ks:
                 groups = asyncio.run(run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score))
                 results[mode][str(k)] = summarize(groups)
+                if mode == "memory":
+                    results[mode][str(k)] |= full_history_figures(tok, groups)
                 failures[mode][str(k)] = count_failures(world, tok, groups)
                 if opts.transcripts:
                     write_transcripts(run_dir / f"transcripts-{mode}-k{k}.md", world, tok,
