@@ -291,12 +291,13 @@ def evaluate_cmd(
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     png = plot_eval(report, out / "eval.png")
     table = Table(title=f"eval of {model}")
-    for column in ("mode", "k", "EM", "F1", "format", "tokens/task", "peak tokens"):
+    for column in ("mode", "k", "EM", "F1", "format", "tokens/task", "peak tokens", "with full history: tokens, peak"):
         table.add_column(column, justify="right")
     for mode, by_k in report["results"].items():
         for k, f in by_k.items():
+            history = f"{f['full_history_tokens_per_task']:.0f}, {f['full_history_peak_tokens']:.0f}" if mode == "memory" else ""
             table.add_row(mode, k, f"{f['em']:.3f}", f"{f['f1']:.3f}", f"{f['format_rate']:.2f}",
-                          f"{f['tokens_per_task']:.0f}", f"{f['peak_tokens']:.0f}")  # fmt: skip
+                          f"{f['tokens_per_task']:.0f}", f"{f['peak_tokens']:.0f}", history)  # fmt: skip
     Console().print(table)
     for mode, by_k in report["failures"].items():
         for k, counts in by_k.items():
