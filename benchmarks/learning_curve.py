@@ -1,36 +1,41 @@
-"""Learning proof over seeds: held-out EM before and after RL, MemPO against GRPO.
+"""Learning proof over seeds: held-out EM before and after RL, MemPO against GRPO, at k = 1 and 2.
 
 For each seed s of ``--seed-base`` .. ``--seed-base + --seeds - 1``, through the real
 commands and services:
 
-1. SFT warm start (``mempo sft``, the demo's recipe, mempo_cli.launcher.warmstart) of the
-   tiny ``reader`` policy on oracle trajectories of the seed's 8 worlds (the agent's
-   world ``AGENT_WORLDS + 8 s`` and the next 7; train split only; ``--sft-mode both``:
-   memory and full mode, so full-mode tokens compare like with like); data order seed s;
+1. SFT warm start (``mempo sft``) of the tiny ``reader`` policy on oracle trajectories of
+   the seed's 8 worlds (the agent's world ``AGENT_WORLDS + 8 s`` and the next 7; train
+   split only); data order seed s. The recipe (``RECIPE``, issue 39): 2,000 steps on
+   256 tasks of 1 question and twice 256 of 2 (``--sft-k 1,2,2``), memory mode
+   (``--sft-mode both`` adds full mode; it needs about twice the steps);
 2. eval of the SFT policy (``mempo eval``) on the agent world's held-out test split
-   (entities training never asks about), memory and full mode, P_mem scored;
-3. for each arm, ``mempo up`` from the SFT policy (the demo's recipe, ``--rl-steps``
-   steps, sampling seed s; ``--lr-decay``: a cosine decay of the learning rate to a tenth
-   over them) and eval of its last weights. Arms: ``mempo`` (memory
-   advantage, alpha 1), ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format),
-   ``span`` (MemPO with ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged
-   over its own tokens, FoldAct), ``mempo-k12`` (MemPO on 1- and 2-question tasks),
-   ``mempo-a03`` and ``mempo-a01`` (MemPO with alpha 0.3 and 0.1: the memory advantage
-   a third and a tenth as heavy). An arm added later runs alone on the next call.
+   (entities training never asks about), k = 1 and 2 (``--ks``), memory and full mode,
+   P_mem scored, failure kinds counted, memory-mode episodes replayed with the full
+   history (what they would cost without the memory);
+3. for each arm, ``mempo up`` from the SFT policy (``--rl-steps`` steps of 1- and
+   2-question tasks, ``--rl-questions``, with partial credit, ``--reward fraction``; the
+   learning rate decays along a cosine to a tenth, ``--no-lr-decay`` keeps it; sampling
+   seed s) and eval of its last weights. Arms: ``mempo`` (memory advantage, alpha 1),
+   ``grpo`` (alpha 0: plain GRPO, the same ``<mem>`` format), ``span`` (MemPO with
+   ``--mem-loss span-mean``: each ``<mem>`` span's loss averaged over its own tokens,
+   FoldAct), ``mempo-a03`` and ``mempo-a01`` (alpha 0.3 and 0.1). Default:
+   ``mempo-a01,grpo``. An arm added later runs alone on the next call.
 
 Every phase is skipped when its output exists (rerun the same command to resume), and
 each one's progress is printed to stderr. Prints one JSON line: means over seeds of
-``sft_em``, ``mempo_em``, ``grpo_em`` (memory mode, k = 1: the RL tasks' k),
-``sft_p_mem``, ``mempo_p_mem``, ``grpo_p_mem``, ``mempo_tokens_per_task`` and
-``full_mode_tokens_per_task`` (the MemPO policy in memory and in full mode; all at
-k = 1; the MemPO arm, ``mempo_arm``, is the first of ``--arms`` that is not grpo; every figure of the larger k has a ``_k<k>`` suffix), ``minutes`` (one seed's
-whole run), then ``spread`` (standard deviation over seeds) and ``per_seed``;
-``summary.json`` and ``curves.png`` in ``--out``.
-Goals (issue 24), checked in the line's ``goals``: mempo_em - sft_em >= 0.10; mempo_p_mem >
-grpo_p_mem; memory-mode tokens below full mode's for the policy trained in both modes (the
-SFT policy; the MemPO policy's own beside it); one seed <= 30 minutes on 2 cores. docs/results.md reads the numbers.
+``sft_em``, ``mempo_em``, ``grpo_em`` (memory mode, k = 1), ``sft_p_mem``,
+``mempo_p_mem``, ``grpo_p_mem``, ``mempo_tokens_per_task`` and
+``full_mode_tokens_per_task`` (k = 1; the MemPO arm, ``mempo_arm``, is the first of
+``--arms`` that is not grpo); at k = 2 ``sft_em_k2``, ``grpo_em_k2``, ``mempo_em_k2``,
+``sft_format_k2`` and per policy ``<name>_tokens_per_task_k2``, ``<name>_peak_tokens_k2``,
+their full-history replays ``<name>_full_history_tokens_per_task_k2`` and
+``<name>_full_history_peak_tokens_k2``, and ``<name>_full_peak_tokens_k2`` (the policy
+run in full mode); ``minutes`` (one seed's whole run), then ``goals`` (issue 39's
+targets), ``spread`` (standard deviation over seeds) and ``per_seed`` (every figure of a
+larger k with a ``_k<k>`` suffix, full mode's with ``full_mode_``, the failure kinds);
+``summary.json`` and ``curves.png`` in ``--out``. docs/results.md reads the numbers.
 
-    python benchmarks/learning_curve.py --seeds 3 --seed-base 1000 [--out runs/learning-curve]
+    python benchmarks/learning_curve.py --seeds 3 --seed-base 8000 [--out runs/learning-curve]
     python benchmarks/learning_curve.py --smoke   # seconds-scale sizes: checks it runs
 """
 
