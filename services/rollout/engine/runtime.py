@@ -121,7 +121,10 @@ class EngineRuntime:
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            taken = {s.spec.rid for s in (*self._waiting, *self._admitting, *self.decoder.seqs)}
+            # A finished sequence's rid is free even while the scheduler still holds it
+            # (its answer may already be sent: the same rid can come right back).
+            active = (*self._waiting, *self._admitting, *self.decoder.seqs)
+            taken = {s.spec.rid for s in active if not s.finished}
             for seq in seqs:
                 if seq.spec.rid in taken:
                     raise DuplicateRequestId(f"Duplicate request ID detected: {seq.spec.rid}")
