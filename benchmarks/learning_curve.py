@@ -119,7 +119,7 @@ def sft(folder: Path, spec: WarmStart, preset: str) -> None:
 
 def evaluate(model: Path, out: Path, world: int, args: argparse.Namespace) -> None:
     run([*MEMPO, "eval", "--model", str(model), "--ks", args.ks, "--tasks", str(args.eval_tasks),
-         "--modes", "memory,full", "--score", "--world-seed", str(world), "--out", str(out)])  # fmt: skip
+         "--modes", "memory,full", "--score", "--world-seed", str(world), "--transcripts", "4", "--out", str(out)])  # fmt: skip
 
 
 def figures(out: Path) -> dict[str, dict[str, dict[str, float]]]:
