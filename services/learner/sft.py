@@ -154,8 +154,9 @@ def oracle_sequences(
 ) -> list[TrainSequence]:
     """Training sequences of the oracle on ``tasks`` train-split tasks of each number of
     questions in ``k`` (a number given twice: twice as many, other tasks), in each mode, in
-    each of ``worlds`` worlds (seeds ``world_seed``, ``world_seed + 1``, ...). Several worlds give the same skills with different facts:
-    a policy cannot memorise them and must learn to search, read and copy."""
+    each of ``worlds`` worlds (seeds ``world_seed``, ``world_seed + 1``, ...). Several
+    worlds give the same skills with different facts: a policy cannot memorise them and
+    must learn to search, read and copy."""
     from mempo.bm25 import LocalSearch
     from mempo_sim.oracle import Oracle
     from mempo_sim.world import World, WorldConfig
