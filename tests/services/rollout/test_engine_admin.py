@@ -263,7 +263,9 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it_within_a_chunk(url:
     port = int(url.rsplit(":", 1)[1])
     before = httpx.get(f"{url}/server_info").json()["internal_states"][0]["prefill_batches"]
     prompts = [[5 + i] * 7000 for i in range(12)]
-    body = json.dumps({"input_ids": prompts, "rid": "long", "sampling_params": sampled(1, 0)}).encode()
+    body = json.dumps(
+        {"input_ids": prompts, "rid": "long", "sampling_params": sampled(1, 0)}
+    ).encode()
     head = f"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(head.encode() + body)
@@ -280,7 +282,11 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it_within_a_chunk(url:
 
 def test_the_cli_serves_an_engine_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "MEMPO_ENGINE_ADMIN_TOKEN": "cli-token-0123456789abcdef", "MEMPO_ENGINE_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MEMPO_ENGINE_ADMIN_TOKEN": "cli-token-0123456789abcdef",
+        "MEMPO_ENGINE_THREADS": "1",
+    }
     args = ["rollout", "engine", "--port", str(port), "--model-path", str(tiny_model_dir)]
     log = (tmp_path / "engine.log").open("wb")
     proc = subprocess.Popen(
@@ -298,3 +304,28 @@ def test_the_cli_serves_an_engine_process(tiny_model_dir: Path, tmp_path: Path) 
     text = (tmp_path / "engine.log").read_text()
     assert code in (0, -signal.SIGTERM), text  # uvicorn re-raises SIGTERM once it has shut down
     assert "engine scheduler stopped" in text and "Finished server process" in text
+
+
+def test_a_finished_sequence_frees_its_rid_while_the_scheduler_still_holds_it(
+    tiny_model_dir: Path,
+) -> None:
+    """The answer of a request may be sent before the scheduler drops its sequence: the
+    same rid sent right then is new, not a duplicate (it was refused under load)."""
+    from services.rollout.engine.runtime import DuplicateRequestId
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    runtime = EngineRuntime(
+        ModelRunner.load(tiny_model_dir), tok
+    )  # not started: nothing is dropped
+
+    def seq(rid: str) -> Sequence:
+        return Sequence(SequenceSpec(rid=rid, prompt_ids=[5, 6], max_new_tokens=1), lambda s: None)
+
+    first = seq("same")
+    runtime.submit([first, seq("busy")])
+    with pytest.raises(DuplicateRequestId):
+        runtime.submit([seq("same")])
+    first.finish({"type": "stop", "matched": 2}, tok)  # answered, still queued in the runtime
+    runtime.submit([seq("same")])
+    with pytest.raises(DuplicateRequestId):
+        runtime.submit([seq("busy")])
