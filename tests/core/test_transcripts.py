@@ -81,30 +81,19 @@ def test_the_failure_kinds_of_the_issue_are_told_apart(world: World, tokenizer: 
     facts = world.facts[employer.subject]
     middle = world.facts[two_hop.subject][two_hop.relations[0]]
     both = [employer, two_hop]
-    # the wrong relation: the city of the passage where the employer was asked
-    assert (
-        _kind(world, tokenizer, both, [f"Q1 = {facts['birthplace']}; Q2: ?"], "a; b")
-        == "wrong_relation"
-    )
-    # a 2-hop question stopped after its first hop
-    assert (
-        _kind(world, tokenizer, both, [f"Q1 = {facts['employer']}; Q2 = {middle}"], "a; b")
-        == "wrong_relation"
-    )
-    # the subject written into memory instead of the answer
-    assert (
-        _kind(world, tokenizer, both, [f"Q1 = {employer.subject}; Q2: ?"], "a; b")
-        == "subject_in_memory"
-    )
-    assert (
-        _kind(world, tokenizer, both, [f"Q1: ?; Q2: {two_hop.subject} > ?"], "a; b")
-        == "subject_in_memory"
-    )
-    # one answer for two questions
-    assert (
-        _kind(world, tokenizer, both, [f"Q1 = {facts['employer']}"], facts["employer"])
-        == "one_answer"
-    )
+    cases = [  # (memory, answer, kind)
+        # the wrong relation: the city of the passage where the employer was asked
+        (f"Q1 = {facts['birthplace']}; Q2: ?", "a; b", "wrong_relation"),
+        # a 2-hop question stopped after its first hop
+        (f"Q1 = {facts['employer']}; Q2 = {middle}", "a; b", "wrong_relation"),
+        # the subject written into memory instead of the answer
+        (f"Q1 = {employer.subject}; Q2: ?", "a; b", "subject_in_memory"),
+        (f"Q1: ?; Q2: {two_hop.subject} > ?", "a; b", "subject_in_memory"),
+        # one answer for two questions
+        (f"Q1 = {facts['employer']}", facts["employer"], "one_answer"),
+    ]
+    for memory, answer, kind in cases:
+        assert _kind(world, tokenizer, both, [memory], answer) == kind, memory
     # the second question lost: a made-up name searched instead of its subject
     lost = [f"Q1 = {facts['employer']}; Q2: ?"] * 2
     assert (
