@@ -305,14 +305,18 @@ class RedisQueue:
     # ----------------------------------------------------------------- policy pointer
 
     async def get_policy(self) -> PolicyPointer | None:
+        """The pointer, None if unset; ValueError naming the key if it is malformed."""
         raw = await self.redis.hgetall(self.keys.policy)
         if not raw:
             return None
-        return PolicyPointer(
-            version=int(raw["version"]),
-            path=raw["path"],
-            updated_at=float(raw.get("updated_at", 0)),
-        )
+        try:
+            return PolicyPointer(
+                version=int(raw["version"]),
+                path=raw["path"],
+                updated_at=float(raw.get("updated_at", 0)),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{self.keys.policy} is malformed ({exc!r} in {raw!r})") from exc
 
     async def set_policy(self, version: int, path: str) -> PolicyPointer:
         pointer = PolicyPointer(version=version, path=path)

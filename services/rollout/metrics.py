@@ -19,6 +19,9 @@ class WorkerMetrics:
         self._rounds = m.counter("rounds_total", "generated rounds", ("action",))
         self._tokens = m.counter("tokens_total", "tokens the engine processed", ("kind",))
         self._tasks = m.counter("tasks_total", "handled tasks", ("outcome",))
+        self._consume_errors = m.counter(
+            "consume_errors_total", "failed claims of the consumer loop (it backs off and retries)", ("error",)
+        )
         self._round_latency = m.histogram(
             "round_latency_seconds", "one round: generation + search", _LATENCY_BUCKETS
         )
@@ -33,7 +36,7 @@ class WorkerMetrics:
         )
         # Plain totals for GET /v1/status (Prometheus counters are not meant to be read back).
         self.episodes = self.rounds = self.tokens = self.tasks_done = self.tasks_failed = 0
-        self.in_flight_episodes = self.in_flight_tasks = 0
+        self.in_flight_episodes = self.in_flight_tasks = self.consume_errors = 0
 
     def round_done(self, action: str, prompt_tokens: int, response_tokens: int, seconds: float) -> None:
         self._rounds.labels(action).inc()
@@ -68,3 +71,7 @@ class WorkerMetrics:
             self._task_latency.observe(seconds)
         else:
             self.tasks_failed += 1
+
+    def consume_failed(self, error: str) -> None:
+        self._consume_errors.labels(error).inc()
+        self.consume_errors += 1

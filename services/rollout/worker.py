@@ -69,6 +69,7 @@ class RolloutWorker:
         self.policy_version: int | None = None
         self.reason: str | None = "starting"
         self.consuming = False
+        self.consume_reason: str | None = None  # why the consumer loop cannot claim, if it cannot
         self.started_at = time.time()
         self._stopping = asyncio.Event()
         self.membership: Membership | None = None  # in the registry once booted, with a queue
@@ -167,13 +168,14 @@ class RolloutWorker:
                     delivery = await self.queue.claim_task(
                         block_ms=None if burst else self.settings.claim_block_ms
                     )
-                except RedisError as exc:  # connection errors, or a stream deleted under us
+                except Exception as exc:  # Redis down, a stream deleted or a key malformed under us
                     slots.release()
                     groups_exist = False
-                    log.warning("claiming a task failed (%s); backing off", exc)
+                    self._cannot_consume(exc)
                     await self._sleep(backoff.next_delay())
                     continue
                 backoff.reset()
+                self.consume_reason = None
                 if delivery is None:
                     slots.release()
                     if not burst:
@@ -201,6 +203,14 @@ class RolloutWorker:
             self.consuming = False
             await cancel_and_wait(list(self._handlers.values()))
         return handled
+
+    def _cannot_consume(self, exc: Exception) -> None:
+        """Record why the loop cannot claim (``/ready`` says it) and log it once per reason."""
+        reason = f"cannot claim tasks: {type(exc).__name__}: {exc}"
+        if reason != self.consume_reason:
+            log.warning("%s; backing off and retrying", reason, exc_info=not isinstance(exc, RedisError))
+        self.consume_reason = reason
+        self.metrics.consume_failed(type(exc).__name__)
 
     def _spawn(self, delivery: Delivery[Task], slots: asyncio.Semaphore) -> None:
         entry_id = delivery.entry_id
@@ -239,8 +249,10 @@ class RolloutWorker:
             await cancel_and_wait([lease])
             self.metrics.task_finished(ok, time.perf_counter() - started)
         if ok:
-            with contextlib.suppress(*REDIS_ERRORS):
+            try:
                 await self.sync_policy()
+            except Exception as exc:  # the next claim retries it (and reports it)
+                log.warning("after task %s: %s: %s", task.task_id, type(exc).__name__, exc)
         return ok
 
     async def _keep_lease(self, entry_id: str, done: asyncio.Event) -> None:
@@ -342,7 +354,8 @@ class RolloutWorker:
             return False, "shutting down"
         if self.groups is None:
             return False, self.reason
-        return self.redis_reason is None, self.redis_reason
+        reason = self.redis_reason or self.consume_reason
+        return reason is None, reason
 
     async def check_redis(self) -> None:
         """Refresh ``redis_reason`` (a PING, at most once a second): a worker that cannot

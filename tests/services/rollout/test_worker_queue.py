@@ -274,3 +274,33 @@ async def test_redis_down_backs_off_and_stops_cleanly(
         await worker.stop()
         assert await asyncio.wait_for(loop, 2) == 0
     await redis.aclose()
+
+
+async def test_a_malformed_policy_pointer_stalls_the_loop_visibly_and_it_recovers(
+    redis_client: Any, keys: Keys, tokenizer: Any, world: World, local_search: LocalSearch
+) -> None:
+    """`HSET mempo:policy version abc` once ended the consumer loop silently for good."""
+    (task,) = make_tasks(world, 1, n=1)
+    queue = make_queue(redis_client, keys, "w")
+    await publish(queue, [task])
+    await redis_client.hset(keys.policy, mapping={"version": "abc", "path": "/weights/v1"})
+    engine = ScriptedEngine.oracle(tokenizer, world, "memory")
+    async with booted_worker(engine, local_search, tokenizer, ScriptedScorer(), queue) as worker:
+        loop = asyncio.create_task(worker.run())
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if worker.metrics.consume_errors >= 2:
+                break
+        assert not loop.done() and worker.consuming  # backing off, not dead
+        ready, reason = worker.readiness()
+        assert not ready and reason is not None and keys.policy in reason and "malformed" in reason
+        assert worker.metrics.tasks_done == 0
+        await queue.set_policy(0, "/weights/v0")  # fixed: the loop goes on by itself
+        for _ in range(300):
+            await asyncio.sleep(0.05)
+            if worker.metrics.tasks_done == 1:
+                break
+        assert worker.metrics.tasks_done == 1 and worker.readiness() == (True, None)
+        await worker.stop()
+        await asyncio.wait_for(loop, 5)
+    assert len(await learner_groups(redis_client, keys)) == 1
