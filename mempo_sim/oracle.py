@@ -30,9 +30,13 @@ class OracleRound:
 
 
 class Oracle:
-    def __init__(self, world: World, tags: Tags = DEFAULT_TAGS) -> None:
+    def __init__(self, world: World, tags: Tags = DEFAULT_TAGS, subjects: bool = False) -> None:
+        """``subjects``: an open question's memory starts with its subject
+        (``Q2: Roqua > ?``), so the policy copies the name it must search from its memory
+        instead of finding it again in the question line."""
         self.world = world
         self.tags = tags
+        self.subjects = subjects
 
     # ----------------------------------------------------------------- state
 
@@ -46,11 +50,12 @@ class Oracle:
         return specs
 
     @staticmethod
-    def parse_memory(memory: str, hops: Sequence[int]) -> list[list[str]]:
+    def parse_memory(memory: str, hops: Sequence[int], subjects: bool = False) -> list[list[str]]:
         """``Q1 = b; Q2: a > ?; Q3: ?`` -> [[b, b], [a], []] for 2-hop questions.
 
         A finished question keeps only its answer (``=``, the memory stays short); an open
-        one keeps the values found so far. Anything unreadable counts as nothing found.
+        one keeps the values found so far (after its subject, with ``subjects``). Anything
+        unreadable counts as nothing found.
         """
         state: list[list[str]] = [[] for _ in hops]
         for part in memory.split(";"):
@@ -61,18 +66,19 @@ class Oracle:
             if done and body:
                 state[i] = [body] * hops[i]
             elif not done:
-                values = [v.strip() for v in body.split(">")]
-                state[i] = [v for v in values if v and v != "?"][: max(hops[i] - 1, 0)]
+                values = [v for v in (v.strip() for v in body.split(">")) if v and v != "?"]
+                state[i] = values[1 if subjects else 0 :][: max(hops[i] - 1, 0)]
         return state
 
     @staticmethod
-    def format_memory(state: list[list[str]], specs: list[Question]) -> str:
+    def format_memory(state: list[list[str]], specs: list[Question], subjects: bool = False) -> str:
         parts = []
         for i, (values, spec) in enumerate(zip(state, specs, strict=True)):
             if len(values) >= spec.hops:
                 parts.append(f"Q{i + 1} = {values[-1]}")
             else:
-                parts.append(f"Q{i + 1}: " + " > ".join([*values, "?"]))
+                head = [spec.subject] if subjects else []
+                parts.append(f"Q{i + 1}: " + " > ".join([*head, *values, "?"]))
         return ANSWER_SEPARATOR.join(parts)
 
     def _pending(self, state: list[list[str]], specs: list[Question]) -> int | None:
@@ -112,7 +118,7 @@ class Oracle:
         """(response text, query or None for the answer round)."""
         t = self.tags
         specs = self._specs(questions)
-        head = f"{t.open(t.mem)}{self.format_memory(state, specs)}{t.close(t.mem)}\n"
+        head = f"{t.open(t.mem)}{self.format_memory(state, specs, self.subjects)}{t.close(t.mem)}\n"
         i = self._pending(state, specs)
         if i is None:
             answer = ANSWER_SEPARATOR.join(v[-1] for v in state)
@@ -139,7 +145,7 @@ class Oracle:
     ) -> str:
         """Memory mode: the state is the previous memory plus the latest result."""
         specs = self._specs(questions)
-        state = self.parse_memory(memory or "", [q.hops for q in specs])
+        state = self.parse_memory(memory or "", [q.hops for q in specs], self.subjects)
         if query is not None and information is not None:
             self.update(state, specs, query, information)
         return self.next_response(questions, state, query)[0]

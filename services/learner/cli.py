@@ -71,6 +71,9 @@ def sft(
     copy_weight: float = typer.Option(
         1.0, help="loss weight of the <mem>, <search> and <answer> contents (the copied values) against 1"
     ),
+    memory_subjects: bool = typer.Option(
+        False, "--memory-subjects", help="the oracle's memory keeps each open question's subject (Q2: Roqua > ?)"
+    ),
     device: str = typer.Option("cpu", help="torch device"),
 ) -> None:
     """SFT warm start: train on response tokens only, write an HF checkpoint."""
@@ -108,7 +111,7 @@ def sft(
         sequences = (
             jsonl_sequences(tok, data)
             if data is not None
-            else oracle_sequences(tok, tasks, ks, mode, world_seed, seed, worlds)  # type: ignore[arg-type]
+            else oracle_sequences(tok, tasks, ks, mode, world_seed, seed, worlds, memory_subjects)  # type: ignore[arg-type]
         )
     except ValueError as exc:
         fail(str(exc))

@@ -151,12 +151,14 @@ def oracle_sequences(
     world_seed: int = 0,
     seed: int = 0,
     worlds: int = 1,
+    subjects: bool = False,
 ) -> list[TrainSequence]:
     """Training sequences of the oracle on ``tasks`` train-split tasks of each number of
     questions in ``k`` (a number given twice: twice as many, other tasks), in each mode, in
     each of ``worlds`` worlds (seeds ``world_seed``, ``world_seed + 1``, ...). Several
     worlds give the same skills with different facts: a policy cannot memorise them and
-    must learn to search, read and copy."""
+    must learn to search, read and copy. ``subjects``: the oracle's memory keeps each open
+    question's subject (``Q2: Roqua > ?``)."""
     from mempo.bm25 import LocalSearch
     from mempo_sim.oracle import Oracle
     from mempo_sim.world import World, WorldConfig
@@ -167,7 +169,7 @@ def oracle_sequences(
     for world_index in range(worlds):
         world = World.generate(WorldConfig(seed=world_seed + world_index))
         index = LocalSearch(world.passages)
-        oracle = Oracle(world)
+        oracle = Oracle(world, subjects=subjects)
 
         def search(query: str, index: LocalSearch = index) -> str:
             return format_documents(index.retrieve([query], 3)[0])

@@ -117,6 +117,30 @@ def test_oracle_exact_match_with_real_retrieval(world: World, local_search: Loca
         assert len(rounds) == hops + 1  # one search per hop, then the answer
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_oracle_with_subjects_keeps_each_open_subject_and_still_answers(
+    world: World, local_search: LocalSearch, k: int
+) -> None:
+    oracle = Oracle(world, subjects=True)
+
+    def search(query: str) -> str:
+        return format_documents(local_search.retrieve([query], 3)[0])
+
+    for questions, answers in world.tasks("test", k, 8, seed=k):
+        specs = [world.question(q) for q in questions]
+        rounds = oracle.episode(questions, search)
+        first = parse_response(rounds[0].response).memory
+        assert first == "; ".join(f"Q{i + 1}: {s.subject} > ?" for i, s in enumerate(specs))  # type: ignore[union-attr]
+        final = parse_response(rounds[-1].response)
+        assert is_correct(final.answer, answers), (questions, answers, final.answer)
+        assert len(rounds) == sum(s.hops for s in specs) + 1  # type: ignore[union-attr]
+    assert Oracle.parse_memory("Q1 = b; Q2: a > c > ?; Q3: d > ?", [2, 3, 1], subjects=True) == [
+        ["b", "b"],
+        ["c"],
+        [],
+    ]
+
+
 def test_oracle_memory_carries_earlier_findings(world: World, local_search: LocalSearch) -> None:
     oracle = Oracle(world)
     questions, answers = world.tasks("test", 3, 1, seed=9)[0]
