@@ -33,6 +33,12 @@ from mempo.schemas import Group, Task
 # What an unreachable Redis raises: retried by every service, never fatal.
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
+
+class MalformedKey(ValueError):
+    """A Redis key holds what no service wrote (a counter "x", a pointer without a
+    version): the message names the key. Services report it and retry, as for a Redis
+    error, until someone fixes the key."""
+
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", Task, Group)
@@ -316,7 +322,7 @@ class RedisQueue:
                 updated_at=float(raw.get("updated_at", 0)),
             )
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"{self.keys.policy} is malformed ({exc!r} in {raw!r})") from exc
+            raise MalformedKey(f"{self.keys.policy} is malformed ({exc!r} in {raw!r})") from exc
 
     async def set_policy(self, version: int, path: str) -> PolicyPointer:
         pointer = PolicyPointer(version=version, path=path)

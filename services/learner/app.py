@@ -3,7 +3,9 @@ routes (/health, /ready, /metrics, GET /v1/status).
 
 The trainer loads inside the task, so ``/health`` answers at once and ``/ready`` turns
 200 once the trainer is loaded and Redis answers. Redis connection errors are retried
-with capped backoff (the step resumes from its pending groups); any other error stops
+with capped backoff (the step resumes from its pending groups), and so are Redis's
+refusals and malformed keys (reported in ``/v1/status``, ``/ready`` and
+``mempo_learner_redis_errors_total`` until the key is fixed); any other error stops
 the loop, shows in ``/v1/status`` and ``/ready``, and with ``exit_on_error`` ends the
 process so a supervisor restarts it from the latest checkpoint. Shutdown stops intake,
 lets the running step finish (up to ``drain_timeout_s``), then cancels.
@@ -20,9 +22,10 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from redis.exceptions import RedisError
 
 from mempo.api.learner import LearnerStatus, LoopState
-from mempo.queue import REDIS_ERRORS, RedisQueue, connect
+from mempo.queue import REDIS_ERRORS, MalformedKey, RedisQueue, connect
 from mempo.retry import Backoff, cancel_and_wait
 from mempo.service import NotReady, install_common
 from services.learner.loop import LearnerLoop, learner_status
@@ -68,12 +71,14 @@ class Training:
                     self.loop.consumer.restart()
                     await self.loop.catch_up()
                 backoff.reset()
-                self.state = "training"
+                self.state, self.error = "training", None
                 await self.loop.run(self._stop)
                 break
-            except REDIS_ERRORS as exc:
+            except (RedisError, MalformedKey) as exc:  # down, refusing, or a key of the wrong type
                 delay = backoff.next_delay()
-                log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
+                self.error = f"{type(exc).__name__}: {exc}"[:2000]
+                self.metrics.redis_errors.labels(type(exc).__name__).inc()
+                log.warning("Redis: %s; retrying in %.1fs", self.error, delay)
                 with contextlib.suppress(TimeoutError):  # a shutdown ends the wait
                     await asyncio.wait_for(self._stop.wait(), delay)
         self.state = "finished" if self.loop is not None and self.loop.finished else "stopped"
@@ -99,6 +104,8 @@ class Training:
             await self.queue.redis.ping()
         except REDIS_ERRORS as exc:
             return False, f"Redis unreachable: {type(exc).__name__}"
+        if self.error is not None:  # the loop is retrying after a Redis error
+            return False, f"the learner loop is retrying: {self.error}"
         return True, None
 
 
@@ -117,14 +124,16 @@ router = APIRouter()  # declarative routes; the training loop comes from app.sta
 async def status(running: TrainingDep) -> LearnerStatus:
     """Step, version, tasks admitted, groups consumed and dropped, the last metrics."""
     try:
-        return await _status(running)
-    except REDIS_ERRORS as exc:  # right after Redis restarts a pooled connection can fail once
-        log.info("GET /v1/status: %s from Redis; trying once more", type(exc).__name__)
-    await asyncio.sleep(0.2)
-    try:
+        try:
+            return await _status(running)
+        except REDIS_ERRORS as exc:  # right after Redis restarts a pooled connection can fail once
+            log.info("GET /v1/status: %s from Redis; trying once more", type(exc).__name__)
+        await asyncio.sleep(0.2)
         return await _status(running)
     except REDIS_ERRORS as exc:
         raise NotReady(f"Redis unreachable: {type(exc).__name__}") from exc
+    except (RedisError, MalformedKey) as exc:  # a key of the wrong type or content
+        raise NotReady(f"cannot read the learner state: {type(exc).__name__}: {exc}"[:500]) from exc
 
 
 async def _status(running: Training) -> LearnerStatus:

@@ -167,17 +167,24 @@ def trajectory_sequences(
     return [s for s in sequences if s.num_trained > 0]
 
 
-def validate_group(group: Group, vocab_size: int) -> str | None:
+def validate_group(group: Group, vocab_size: int, max_tokens: int | None = None) -> str | None:
     """Why the trainer cannot use this group (a reason for the dead stream), or None.
 
     The wire schema already holds every number in range (finite log-probs <= 0, rewards
-    and P_mem / P_full in [0, 1]); here: token ids inside this model's vocabulary, and at
-    least one response token (a group of empty responses has nothing to train on, and a
-    batch of such groups alone would fail the step)."""
+    and P_mem / P_full in [0, 1]); here: token ids inside this model's vocabulary, rounds
+    of at most ``max_tokens`` prompt + response tokens, and at least one response token
+    (a group of empty responses has nothing to train on, and a batch of such groups alone
+    would fail the step)."""
     if not any(len(r.response_ids) for t in group.trajectories for r in t.rounds):
         return "every response is empty: no response token to train on"
     for traj in group.trajectories:
         for rnd in traj.rounds:
+            length = len(rnd.prompt_ids) + len(rnd.response_ids)
+            if max_tokens is not None and length > max_tokens:
+                return (
+                    f"trajectory {traj.trajectory_id} round {rnd.index}: {length} tokens, over the "
+                    f"learner's max_sequence_tokens of {max_tokens}"
+                )
             for name in ("prompt_ids", "response_ids"):
                 ids = getattr(rnd, name).numpy()
                 if ids.size and int(ids.max()) >= vocab_size:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mempo.api.learner import DroppedCounts, LearnerStatus, LoopState, PublishStatus
-from mempo.queue import RedisQueue
+from mempo.queue import MalformedKey, RedisQueue
 from mempo.weights import NonFiniteWeights
 from services.learner.admission import Admission, TaskSpec, open_source
 from services.learner.consumer import Batch, GroupConsumer, TrainedIds
@@ -31,11 +31,6 @@ from services.learner.telemetry import LearnerMetrics, MetricsJournal
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-# Batches in a row whose training raised before the learner gives up: one bad batch is
-# the data's fault (dead-lettered, training goes on), several in a row the trainer's.
-MAX_FAILED_BATCHES = 3
-
 
 class LearnerLoop:
     """Consumes groups, trains, checkpoints, publishes; ``open`` builds it from settings."""
@@ -57,7 +52,7 @@ class LearnerLoop:
         self.journal = MetricsJournal(settings.run_dir)
         self.last_metrics: dict[str, Any] | None = self.journal.last()
         self.last_publish: PublishReport | None = None
-        self.failed_batches = 0  # in a row
+        self.failed_batches = 0  # in a row (each dead-lettered; training goes on)
 
     @classmethod
     async def open(
@@ -77,6 +72,7 @@ class LearnerLoop:
         trained = TrainedIds(
             resumed.trained_group_ids if resumed else (), settings.keep_trained_ids
         )
+        max_tokens = settings.max_sequence_tokens or trainer.max_positions
         state = LearnerState(queue)
         run_id = await state.run_id()
         metrics = metrics or LearnerMetrics()
@@ -87,7 +83,7 @@ class LearnerLoop:
             settings.max_staleness,
             trained,
             on_drop=lambda reason: metrics.groups_dropped.labels(reason).inc(),
-            validate=lambda group: validate_group(group, trainer.vocab_size),
+            validate=lambda group: validate_group(group, trainer.vocab_size, max_tokens),
             run_id=run_id,
         )
         source = await asyncio.to_thread(
@@ -169,20 +165,20 @@ class LearnerLoop:
         return record
 
     async def _train(self, batch: Batch) -> dict[str, float] | None:
-        """The step's metrics; None when training raised before any optimizer step and the
-        batch was dead-lettered. Raises (the groups left pending: they come back, and die
-        after max_deliveries) when the trainer may be half-way through a step, or after
-        MAX_FAILED_BATCHES failed batches in a row."""
-        before = self.trainer.optimizer_steps
+        """The step's metrics; None when training raised: the trainer is put back to the
+        state before the step (its latest checkpoint: weights, AdamW, schedule, counters)
+        and the batch dead-lettered, however many batches fail in a row."""
         try:
             train = await asyncio.to_thread(train_step, self.trainer, batch.groups)
         except Exception as exc:
             reason = f"train_step: {type(exc).__name__}: {exc}"
             self.failed_batches += 1
-            if self.trainer.optimizer_steps != before or self.failed_batches >= MAX_FAILED_BATCHES:
-                await self.consumer.release(batch, reason)
-                raise
-            log.error("dead-lettering a batch of %d groups: %s", len(batch.deliveries), reason)
+            self.metrics.failed_batches.inc()
+            log.error(
+                "dead-lettering a batch of %d groups (%d failed in a row): %s",
+                len(batch.deliveries), self.failed_batches, reason,
+            )  # fmt: skip
+            await asyncio.to_thread(self.trainer.restore, self.settings.checkpoints)
             await self.consumer.dead_letter(batch, reason)
             return None
         self.failed_batches = 0
@@ -278,15 +274,15 @@ async def learner_status(
 ) -> LearnerStatus:
     """GET /v1/status: the counters in Redis, and the loop's step, last publish and
     metrics once it is open (before, the step and version Redis last recorded)."""
-    counts = await LearnerState(queue).counts()
+    counts = await LearnerState(queue).counts()  # MalformedKey if a counter is not a number
     raw = await queue.get_state()
     in_flight = await loop.admission.in_flight(counts) if loop else counts.in_flight
     report = loop.last_publish if loop else None
     last = loop.last_metrics if loop else None
     return LearnerStatus(
         state=state,
-        step=loop.trainer.step if loop else int(raw.get("step", 0)),
-        version=loop.trainer.version if loop else int(raw.get("version", 0)),
+        step=loop.trainer.step if loop else _number(raw, "step", queue),
+        version=loop.trainer.version if loop else _number(raw, "version", queue),
         admitted=counts.admitted,
         consumed=counts.consumed,
         dropped=DroppedCounts(
@@ -309,3 +305,10 @@ async def learner_status(
         else {k: v for k, v in last.items() if isinstance(v, (int, float)) or v is None},
         error=error,
     )
+
+
+def _number(raw: dict[str, str], name: str, queue: RedisQueue) -> int:
+    try:
+        return int(raw.get(name, 0))
+    except ValueError as exc:
+        raise MalformedKey(f"{queue.keys.learner_state} is malformed ({name}: {exc})") from exc

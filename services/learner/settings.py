@@ -103,6 +103,11 @@ class LearnerSettings(RedisSettings):
     claim_idle_ms: int = Field(default=60_000, ge=1)
     """A group pending this long in a dead consumer is taken over."""
 
+    max_sequence_tokens: int = Field(default=0, ge=0)
+    """A round longer than this (prompt + response tokens) dead-letters its group before
+    it reaches the trainer (memory grows with the square of the length); 0: the model's
+    context (``max_position_embeddings``)."""
+
     max_deliveries: int = Field(default=3, ge=1)
     """A group delivered this many times without being trained goes to the dead stream."""
 

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from mempo.queue import RedisQueue
+from mempo.queue import MalformedKey, RedisQueue
 
 DropReason = Literal["duplicate", "stale"]
 _COUNTERS = ("admitted", "consumed", "dropped_duplicate", "dropped_stale", "foreign")
@@ -48,7 +48,10 @@ class LearnerState:
 
     async def counts(self) -> Counts:
         raw = await self.queue.get_state()
-        return Counts(**{name: int(raw.get(name, 0)) for name in _COUNTERS})
+        try:
+            return Counts(**{name: int(raw.get(name, 0)) for name in _COUNTERS})
+        except ValueError as exc:
+            raise MalformedKey(f"{self.queue.keys.learner_state} is malformed: {exc}") from exc
 
     async def add(self, **deltas: int) -> None:
         """Atomically add to counters, e.g. ``add(consumed=4)``."""

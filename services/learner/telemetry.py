@@ -27,6 +27,12 @@ class LearnerMetrics(Metrics):
         self.skipped_steps = self.counter(
             "skipped_steps_total", "optimizer steps skipped for a non-finite loss or gradient"
         )
+        self.failed_batches = self.counter(
+            "failed_batches_total", "batches whose step raised (trainer restored, groups dead-lettered)"
+        )
+        self.redis_errors = self.counter(
+            "redis_errors_total", "loop restarts on a Redis error or a malformed key", ("error",)
+        )
         self.publish_failures = self.counter(
             "publish_failures_total", "engine weight updates that failed (engine left stale)"
         )

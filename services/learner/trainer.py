@@ -96,12 +96,15 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(config)
         )
+        self._initial_schedule = self.scheduler.state_dict()
+        self._initial_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.step = 0
         self.version = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
         hf_config: Any = self.policy.config
         self.vocab_size = int(hf_config.vocab_size)
+        self.max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
         self.pad_id = int(hf_config.pad_token_id if hf_config.pad_token_id is not None else 0)
         self.minibatch_metrics: list[dict[str, float]] = []  # of the last step, in order
 
@@ -116,6 +119,29 @@ class Trainer:
         trainer = cls(config, model_path, device)
         path = checkpoint.latest(Path(root))
         return trainer, (trainer.load_checkpoint(path) if path is not None else None)
+
+    def restore(self, root: Path) -> None:
+        """Undo a failed step: back to the latest checkpoint under ``root`` (every step
+        checkpoints, so it is the state before the step) or, before the first one, to
+        the initial state (every rank)."""
+        lead(self.dist, "restore", str(root))
+        self._restore(Path(root))
+
+    def _restore(self, root: Path) -> None:
+        path = checkpoint.latest(root)
+        if path is not None:
+            checkpoint.load_trainer(self, path)
+            return
+        if self.step != 0:
+            raise RuntimeError(f"cannot undo step {self.step + 1}: no checkpoint under {root}")
+        initial = load_model(self.model_path, self.config, self.dist, trainable=True)
+        self.policy.load_state_dict(initial.state_dict())
+        self.optimizer.state.clear()
+        self.scheduler.load_state_dict(self._initial_schedule)
+        for group, lr in zip(self.optimizer.param_groups, self._initial_lrs, strict=True):
+            group["lr"] = lr
+        self.optimizer_steps = self.skipped_steps = 0
+        seed_everything(self.config.seed)
 
     def save_checkpoint(
         self, root: Path, trained_group_ids: list[str], extra: dict[str, Any] | None = None
@@ -144,6 +170,7 @@ class Trainer:
                 "train": lambda groups: train_step(self, groups),
                 "save": lambda args: checkpoint.save_trainer(self, Path(args[0]), args[1], args[2]),
                 "export": lambda out: checkpoint.export_trainer(self, Path(out)),
+                "restore": lambda root: self._restore(Path(root)),
             },
         )
 

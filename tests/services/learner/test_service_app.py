@@ -170,3 +170,41 @@ async def test_the_loop_waits_for_redis_with_backoff(
             final = await wait_for(client, lambda s: s.state == "training" and s.admitted == 2)
             assert (await client.get("/ready")).status_code == 200
     assert final.error is None
+
+
+@pytest.mark.parametrize("broken", ["counter", "policy"])
+async def test_a_malformed_or_mistyped_key_is_reported_and_training_resumes_once_fixed(
+    redis_url: str, redis_client: Any, keys: Keys, tmp_path: Path, tiny_model_dir: Path, broken: str
+) -> None:
+    """A learner-state counter "x", or mempo:policy of the wrong type, once stopped the
+    learner for good (and /v1/status answered 500)."""
+    queue = RedisQueue(redis_client, keys)
+    if broken == "counter":
+        await redis_client.hset(keys.learner_state, "admitted", "x")
+    else:
+        await redis_client.set(keys.policy, "not a hash")  # WRONGTYPE at the first publish
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, total_steps=1)
+    async with running(settings) as client:
+        if broken == "policy":
+            await wait_for(client, lambda s: s.admitted == 2)
+            await roll_out(queue, 0)
+        deadline = time.monotonic() + 60
+        while (reply := await client.get("/ready")).status_code != 503 or "retrying" not in reply.text:
+            assert time.monotonic() < deadline, reply.text
+            await asyncio.sleep(0.05)
+        status = await client.get("/v1/status")
+        metrics = (await client.get("/metrics")).text
+        if broken == "counter":  # the counters cannot be read: the status says which key
+            assert status.status_code == 503 and keys.learner_state in status.json()["message"]
+            await redis_client.hset(keys.learner_state, "admitted", "0")
+            await wait_for(client, lambda s: s.admitted == 2)
+            await roll_out(queue, 0)
+        else:
+            assert status.status_code == 200 and "WRONGTYPE" in (status.json()["error"] or "")
+            await redis_client.delete(keys.policy)
+        final = await wait_for(client, lambda s: s.state == "finished")
+    assert "mempo_learner_redis_errors_total{" in metrics
+    assert final.error is None and final.step == final.version == 1
+    policy = await queue.get_policy()
+    assert policy is not None and policy.version == 1  # published once the key was fixed
+    await queue.aclose()

@@ -15,7 +15,7 @@ from mempo.queue import EngineInfo, RedisQueue
 from mempo.schemas import Group, Task
 from mempo.weights import map_safetensors, non_finite
 from services.learner import loop as learner_loop
-from services.learner.loop import MAX_FAILED_BATCHES, LearnerLoop
+from services.learner.loop import LearnerLoop
 from services.learner.settings import LearnerSettings
 from services.learner.step import train_step
 from services.learner.trainer import Trainer
@@ -298,7 +298,7 @@ async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_
         await loop.aclose()
 
 
-async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pending(
+async def test_any_number_of_failing_batches_in_a_row_are_dead_lettered_and_training_goes_on(
     redis_url: str,
     keys: Keys,
     tmp_path: Path,
@@ -306,55 +306,84 @@ async def test_failing_batches_in_a_row_stop_the_learner_and_the_last_stays_pend
     queue: RedisQueue,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Three failed batches in a row once stopped the learner for good."""
     settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
     loop = await LearnerLoop.open(settings, queue)
     try:
-        entries = [
+        for group_id in [*(f"bad{i}" for i in range(5)), "good"]:
             await queue.publish_group(
-                make_group(Task(group_id=f"g{i}", questions=["q?"], answers=[["a"]], n=2))
+                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2))
             )
-            for i in range(MAX_FAILED_BATCHES)
-        ]
 
-        def explode(trainer: object, groups: object) -> dict[str, float]:
-            raise RuntimeError("CUDA error: an illegal memory access")
+        def explode(trainer: Trainer, groups: list[Group]) -> dict[str, float]:
+            if groups[0].group_id.startswith("bad"):
+                raise RuntimeError("CUDA error: an illegal memory access")
+            return train_step(trainer, groups)
 
         monkeypatch.setattr(learner_loop, "train_step", explode)
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            await loop.training_step()
-        assert len(await queue.dead_letters()) == MAX_FAILED_BATCHES - 1
-        assert "illegal memory access" in await queue.redis.hget(keys.failures, entries[-1])
-        assert (await queue.stream_lengths())["groups"] == 1  # not acked: it comes back, then dies
+        record = await loop.training_step()
+        assert record is not None and loop.trainer.step == 1 and loop.failed_batches == 0
+        dead = await queue.dead_letters()
+        assert sorted(json.loads(d["data"])["group_id"] for d in dead) == [f"bad{i}" for i in range(5)]
+        assert all("illegal memory access" in d["reason"] for d in dead)
+        assert (await queue.stream_lengths())["groups"] == 0
     finally:
         await loop.aclose()
 
 
-async def test_a_step_that_fails_half_way_stops_the_learner(
+def optimizer_moments(loop: LearnerLoop) -> list[torch.Tensor]:
+    state = loop.trainer.optimizer.state  # type: ignore[attr-defined]
+    return [t.detach().clone() for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("trained_before", [0, 1])
+async def test_a_step_that_fails_half_way_is_undone_and_training_goes_on(
     redis_url: str,
     keys: Keys,
     tmp_path: Path,
     tiny_model_dir: Path,
     queue: RedisQueue,
     monkeypatch: pytest.MonkeyPatch,
+    trained_before: int,
 ) -> None:
-    """After an optimizer step the weights hold part of the batch: no going on from there
-    (the restart resumes from the checkpoint); the groups stay pending."""
-    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1)
+    """The second mini-batch raises after the first one's optimizer step, with the settings
+    that once made it stop the learner at every restart (no old log-prob pass, no KL): the
+    weights, AdamW and the counters go back to the state before the step (its checkpoint,
+    or the initial state), the group is dead-lettered, the next batch trains."""
+    from services.learner import step as learner_step
+
+    trainer = TrainerConfig(warmup_steps=0, mini_batches=2, lr=1e-2, recompute_old_logprobs=False, beta_kl=0.0)
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1, trainer=trainer)
     loop = await LearnerLoop.open(settings, queue)
     try:
-        entry = await queue.publish_group(
-            make_group(Task(group_id="g", questions=["q?"], answers=[["a"]], n=2))
-        )
+        for group_id in [f"ok{i}" for i in range(trained_before)] + ["half", "after"]:
+            if group_id == "half":  # on-policy for the version reached
+                for _ in range(trained_before):
+                    assert await loop.training_step() is not None
+            await queue.publish_group(
+                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=4), loop.trainer.version)
+            )
+        before = parameters(loop), optimizer_moments(loop), loop.trainer.optimizer_steps
+        real_update, calls = learner_step.update, []
 
-        def half_way(trainer: object, groups: object) -> dict[str, float]:
-            loop.trainer.optimizer_steps += 1
-            raise RuntimeError("the second mini-batch failed")
+        def failing_update(trainer: Trainer, batch: Any, mini: Any, tokens: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("the second mini-batch failed")
+            return real_update(trainer, batch, mini, tokens)
 
-        monkeypatch.setattr(learner_loop, "train_step", half_way)
-        with pytest.raises(RuntimeError, match="second mini-batch"):
-            await loop.training_step()
-        assert await queue.dead_letters() == []
-        assert "second mini-batch" in await queue.redis.hget(keys.failures, entry)
+        monkeypatch.setattr(learner_step, "update", failing_update)
+        batch = await loop.consumer.next_batch(loop.trainer.version, None)
+        assert batch is not None and await loop._train(batch) is None
+        assert loop.trainer.optimizer_steps == before[2] and loop.trainer.step == trained_before
+        after = parameters(loop)
+        assert all(torch.equal(after[k], v) for k, v in before[0].items())
+        moments = optimizer_moments(loop)
+        assert len(moments) == len(before[1]) and all(torch.equal(a, b) for a, b in zip(moments, before[1], strict=True))
+        (dead,) = await queue.dead_letters()
+        assert json.loads(dead["data"])["group_id"] == "half" and "second mini-batch" in dead["reason"]
+        monkeypatch.setattr(learner_step, "update", real_update)
+        assert await loop.training_step() is not None and loop.trainer.step == trained_before + 1
     finally:
         await loop.aclose()
 
