@@ -47,6 +47,14 @@ class ServiceSettings(BaseSettings):
     """A request not fully sent (headers and body) this long after its first byte has its
     connection closed; a request fully read is never cut, however long its answer takes."""
 
+    idle_connection_timeout_s: float = Field(default=10.0, gt=0.0)
+    """A connection that has sent no byte this long after it was accepted is closed (idle
+    keep-alive connections between requests close after uvicorn's 5 s)."""
+
+    max_connections: int = Field(default=2048, ge=1)
+    """Connections open at once; one more is answered at once with 503 and closed. Lowered,
+    with a warning, to leave 256 file descriptors under the process's open-files limit."""
+
     log_level: str = "INFO"
     """Python logging level."""
 
@@ -252,15 +260,23 @@ def unknown_variables(settings: BaseSettings, environ: dict[str, str] | None = N
 
 def serve(app: Any, settings: ServiceSettings) -> None:
     """Run an ASGI app with uvicorn; SIGTERM/SIGINT shut it down gracefully (lifespan exit).
-    A placeholder or short secret ends the process first (exit 2)."""
+    A placeholder or short secret ends the process first (exit 2). Connections are guarded
+    (mempo.httpserver): idle and half-sent ones are closed, those beyond max_connections
+    refused with 503, and the soft open-files limit is raised to the hard one."""
     import uvicorn
 
-    from mempo.httpserver import read_timeout_protocol
+    from mempo.httpserver import fit_connection_limit, guarded_protocol, install_accept_error_filter
 
     refuse_weak_secrets(settings)
     configure_logging(settings.log_level)
+    install_accept_error_filter()
     for unknown in unknown_variables(settings):
         logging.getLogger("mempo.settings").warning("ignored: %s is not a setting", unknown)
+    protocol = guarded_protocol(
+        settings.request_read_timeout_s,
+        settings.idle_connection_timeout_s,
+        fit_connection_limit(settings.max_connections),
+    )
     uvicorn.run(
         app,
         host=settings.host,
@@ -268,5 +284,5 @@ def serve(app: Any, settings: ServiceSettings) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=10,
-        http=read_timeout_protocol(settings.request_read_timeout_s),
+        http=protocol,
     )

@@ -13,7 +13,7 @@ import time
 
 import uvicorn
 
-from mempo.httpserver import read_timeout_protocol
+from mempo.httpserver import guarded_protocol, install_accept_error_filter
 from mempo.procs import free_port, wait_ready
 from services.rollout.engine.app import create_app
 from services.rollout.engine.settings import EngineSettings
@@ -33,8 +33,13 @@ class EngineThread:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http=read_timeout_protocol(settings.request_read_timeout_s),
+            http=guarded_protocol(
+                settings.request_read_timeout_s,
+                settings.idle_connection_timeout_s,
+                settings.max_connections,
+            ),
         )
+        install_accept_error_filter()
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="engine-http", daemon=True)
 

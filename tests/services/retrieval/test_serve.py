@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -116,3 +118,89 @@ def test_half_sent_requests_are_cut_off_and_slow_whole_ones_are_not(tmp_path: Pa
         proc.wait(timeout=20)
         log.close()
     assert "was not fully sent" in (tmp_path / "retrieval.log").read_text()
+
+
+@contextmanager
+def _retrieval(tmp_path: Path, **settings: str) -> Iterator[tuple[int, Path]]:
+    """`mempo retrieval serve` with ``MEMPO_RETRIEVAL_<NAME>`` settings: its port and log."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPO_RETRIEVAL_")}
+    env.update({f"MEMPO_RETRIEVAL_{name}": value for name, value in settings.items()})
+    env.update(HF_HUB_OFFLINE="1", MEMPO_RETRIEVAL_PORT=str(port))
+    path = tmp_path / "retrieval.log"
+    with path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mempo_cli", "retrieval", "serve"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", timeout_s=60, proc=proc)
+            yield port, path
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+
+
+def _until_closed(sock: socket.socket, seconds: float) -> bytes:
+    """All ``sock`` receives until the server closes it (fails after ``seconds``)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.e2e
+def test_a_connection_that_sends_nothing_is_closed(tmp_path: Path) -> None:
+    """idle_connection_timeout_s (1 s here) closes 30 connections that send nothing, one
+    log line for them all; one that sends its request 0.5 s after connecting is answered."""
+    with _retrieval(tmp_path, IDLE_CONNECTION_TIMEOUT_S="1") as (port, log):
+        started = time.monotonic()
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            time.sleep(0.5)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            sock.settimeout(5)
+            assert _status(sock) == b"HTTP/1.1 200 OK"
+        for sock in silent:
+            assert _until_closed(sock, 5) == b""  # closed, nothing said
+            sock.close()
+        assert 0.9 < time.monotonic() - started < 5
+    assert log.read_text().count("it sent nothing 1s after it was accepted") == 1
+
+
+@pytest.mark.e2e
+def test_connections_beyond_max_connections_get_503_and_health_keeps_answering(
+    tmp_path: Path,
+) -> None:
+    """With max_connections 50, 600 connections that send nothing: those beyond 50 get a
+    503 at once and are closed, the rest are closed 3 s after they came (idle timeout),
+    /health answers throughout on a connection made before, and the log stays short."""
+    settings = {"MAX_CONNECTIONS": "50", "IDLE_CONNECTION_TIMEOUT_S": "3"}
+    with _retrieval(tmp_path, **settings) as (port, log):
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=5) as client:
+            assert client.get("/health").status_code == 200
+            flood = []
+            for i in range(600):
+                flood.append(socket.create_connection(("127.0.0.1", port)))
+                if i % 50 == 49:
+                    assert client.get("/health").status_code == 200
+            answers = [_until_closed(sock, 8) for sock in flood]
+            assert client.get("/health").status_code == 200
+        for sock in flood:
+            sock.close()
+        refused = [a for a in answers if a]
+        assert len(refused) >= 550 and len(answers) - len(refused) <= 49  # one slot is /health's
+        for answer in refused:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower()
+            assert b"50 connections open, its limit (max_connections)" in body
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # the slots are free again
+    lines = log.read_text().splitlines()
+    assert sum("refused a connection with 503" in line for line in lines) == 1, lines
+    assert sum("it sent nothing" in line for line in lines) == 1, lines
+    assert len(lines) < 20, lines
