@@ -9,6 +9,10 @@ segment is ``row.context_of(i) + segment.ids``, exactly the ids that
 mempo/agent_format.py defines (tests check this against ``memory_scoring_ids`` /
 ``full_scoring_ids`` / ``answer_target_ids``).
 
+Planning takes the token limit of a row and stops as soon as the row would pass it
+(``RowTooLong``): the rest of the entry is neither tokenised nor built, so an entry far
+over the limit costs no more than the part of it read so far.
+
 Glossary: R rounds, C answer candidates, S segments of a row.
 """
 
@@ -98,6 +102,22 @@ class Row:
 # --------------------------------------------------------------------------- building
 
 
+class RowTooLong(Exception):
+    """A row passed the token limit while it was planned. ``tokens``: the tokens it holds
+    at that point (the whole entry holds at least that many); the rest of the entry was not
+    tokenised."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"{tokens} tokens exceed the limit of {limit}")
+        self.tokens = tokens
+        self.limit = limit
+
+
+def _guard(tokens: int, limit: int | None) -> None:
+    if limit is not None and tokens > limit:
+        raise RowTooLong(tokens, limit)
+
+
 @dataclass(frozen=True)
 class Target:
     """One (context, candidate) whose answer tokens are scored: a scored segment of a row."""
@@ -146,33 +166,51 @@ def _add_answers(
 
 
 def plan_memory(
-    plan: Plan, tok: Tokenizer, trajectory: MemoryTrajectory, policy: AliasPolicy
+    plan: Plan,
+    tok: Tokenizer,
+    trajectory: MemoryTrajectory,
+    policy: AliasPolicy,
+    limit: int | None = None,
 ) -> None:
     """Add one trajectory's row: trunk = task prompt + transcripts of rounds 1..R-1.
 
     Round t's P_full branch (answer cue, then each candidate) attaches after round
     t-1's transcript; its P_mem branch (memory piece + cue, then each candidate)
-    attaches after the task prompt.
+    attaches after the task prompt. With a ``limit``, raises ``RowTooLong`` (adding
+    nothing to the plan) as soon as the row is known to pass it: before any transcript
+    when the branches alone (R + memories of cue + answers) do, else at the first
+    transcript or round that takes it past.
     """
     candidates = fmt.answer_candidates(trajectory.answers, policy)
     answer_ids = [fmt.answer_target_ids(tok, c) for c in candidates]
+    answer_tokens = sum(len(ids) for ids in answer_ids)
     cue = tok.encode(fmt.answer_cue(), add_special_tokens=False)
     prompt = fmt.first_prompt_ids(tok, trajectory.questions)
     rounds = trajectory.rounds
+    # every round's P_full branch and every memory's P_mem branch holds at least the cue
+    # and the answers: a lower bound of the row, before any transcript is tokenised
+    branches = len(rounds) + sum(r.memory is not None for r in rounds)
+    _guard(len(prompt) + branches * (len(cue) + answer_tokens), limit)
     trunk = list(prompt)
     boundaries = [len(trunk)]  # trunk length seen by round t's P_full branch (t = 1..R)
     for r in rounds[:-1]:
         trunk.extend(fmt.transcript_piece_ids(tok, r.transcript))
+        _guard(len(trunk) + answer_tokens, limit)
         boundaries.append(len(trunk))
     row, index = Row(trunk), len(plan.rows)
+    tokens = len(trunk)
     entry = MemoryPlan(candidates=candidates, full=[], mem=[])
     for t, r in enumerate(rounds):
+        tokens += len(cue) + answer_tokens
+        _guard(tokens, limit)
         cue_seg = row.add(cue, boundaries[t])
         entry.full.append(_add_answers(index, row, cue_seg, answer_ids))
         if r.memory is None:
             entry.mem.append(None)
             continue
         piece = tok.encode(fmt.memory_piece(r.memory), add_special_tokens=False)
+        tokens += len(piece) + len(cue) + answer_tokens
+        _guard(tokens, limit)
         mem_seg = row.add([*piece, *cue], len(prompt))
         entry.mem.append(_add_answers(index, row, mem_seg, answer_ids))
     plan.rows.append(row)
@@ -186,18 +224,30 @@ def context_ids(tok: Tokenizer, context: str | list[ChatMessage]) -> list[int]:
     return fmt._chat_ids(tok, [m.model_dump() for m in context])
 
 
-def plan_item(plan: Plan, tok: Tokenizer, item: ScoreItem, policy: AliasPolicy) -> list[int]:
+def plan_item(
+    plan: Plan, tok: Tokenizer, item: ScoreItem, policy: AliasPolicy, limit: int | None = None
+) -> list[int]:
     """Add one generic item's row; returns its context ids (empty: nothing was added).
 
     The context's last token is the branch root (it predicts every alias's first token).
+    With a ``limit``, raises ``RowTooLong`` (adding nothing) when the context, or the
+    context with the aliases, passes it; a context over it alone is refused before its
+    aliases are tokenised.
     """
     ctx = context_ids(tok, item.context)
     if not ctx:
         return ctx
+    _guard(len(ctx), limit)
     answers = item.answers[:1] if policy == "first" else list(dict.fromkeys(item.answers))
+    answer_ids = []
+    tokens = len(ctx)
+    for a in answers:
+        answer_ids.append(fmt.answer_target_ids(tok, a))
+        tokens += len(answer_ids[-1])
+        _guard(tokens, limit)
     row, index = Row(ctx[:-1]), len(plan.rows)
     root = row.add(ctx[-1:], len(ctx) - 1)
-    targets = _add_answers(index, row, root, [fmt.answer_target_ids(tok, a) for a in answers])
+    targets = _add_answers(index, row, root, answer_ids)
     plan.rows.append(row)
     plan.items.append(ItemPlan(answers=answers, targets=targets))
     return ctx

@@ -2,7 +2,10 @@
 
 Planning (tokenisation) runs in a thread per request, after the request's size (how
 many trajectories or items, how many bytes of text) has been checked against the limits:
-bytes bound the tokens, so an oversized request is refused before any work. Forwards run
+bytes bound the tokens, so an oversized request is refused before any work. Within the
+byte limits, entries are tokenised one at a time, each checked as it is planned: the
+first trajectory or item over max_sequence_tokens, or the one that takes the request
+over max_request_tokens, is refused (413) and nothing after it is tokenised. Forwards run
 on the batcher's worker thread, which reads the current model once per batch, so a
 weight update never changes the weights under a batch that has started.
 """
@@ -33,6 +36,7 @@ from services.scorer.plan import (
     LogProbTable,
     Plan,
     Row,
+    RowTooLong,
     item_results,
     memory_results,
     plan_item,
@@ -117,19 +121,25 @@ class ScorerService:
         positions = self.holder.current.max_positions
         return min(limit, positions) if positions else limit
 
-    def _check(self, plan: Plan, field: str) -> None:
-        limit = self._sequence_limit()
-        for i, row in enumerate(plan.rows):
-            if row.num_tokens > limit:
-                raise TooLarge(
-                    f"{field}.{i}: {row.num_tokens} tokens with its scoring branches exceed "
-                    f"the limit of {limit} (max_sequence_tokens)"
-                )
-        if plan.num_tokens > self.settings.max_request_tokens:
+    @staticmethod
+    def _too_long(field: str, i: int, error: RowTooLong) -> TooLarge:
+        return TooLarge(
+            f"{field}.{i}: {error.tokens} tokens or more with its scoring branches exceed the "
+            f"limit of {error.limit} (max_sequence_tokens); nothing after that point was "
+            "tokenised"
+        )
+
+    def _count(self, plan: Plan, total: int, field: str, i: int) -> int:
+        """The request's tokens with entry ``i`` (the plan's last row) added; 413 over
+        max_request_tokens, before the entries after it are tokenised."""
+        total += plan.rows[-1].num_tokens
+        limit = self.settings.max_request_tokens
+        if total > limit:
             raise TooLarge(
-                f"{field}: {plan.num_tokens} tokens exceed the request limit of "
-                f"{self.settings.max_request_tokens} (max_request_tokens)"
+                f"{field}: {total} tokens up to {field}.{i} exceed the request limit of "
+                f"{limit} (max_request_tokens); the {field} after it were not tokenised"
             )
+        return total
 
     def _check_size(
         self,
@@ -168,19 +178,26 @@ class ScorerService:
 
     def plan_memory_request(self, request: MemoryScoresRequest) -> Plan:
         tok, policy = self.holder.current.tokenizer, self._policy(request.alias_policy)
-        plan = Plan()
-        for trajectory in request.trajectories:
-            plan_memory(plan, tok, trajectory, policy)
-        self._check(plan, "trajectories")
+        limit, plan, total = self._sequence_limit(), Plan(), 0
+        for i, trajectory in enumerate(request.trajectories):
+            try:
+                plan_memory(plan, tok, trajectory, policy, limit)
+            except RowTooLong as error:
+                raise self._too_long("trajectories", i, error) from None
+            total = self._count(plan, total, "trajectories", i)
         return plan
 
     def plan_score_request(self, request: ScoreRequest) -> Plan:
         tok, policy = self.holder.current.tokenizer, self._policy(request.alias_policy)
-        plan = Plan()
+        limit, plan, total = self._sequence_limit(), Plan(), 0
         for i, item in enumerate(request.items):
-            if not plan_item(plan, tok, item, policy):
+            try:
+                planned = plan_item(plan, tok, item, policy, limit)
+            except RowTooLong as error:
+                raise self._too_long("items", i, error) from None
+            if not planned:
                 raise BadInput(f"items.{i}.context: renders to no tokens")
-        self._check(plan, "items")
+            total = self._count(plan, total, "items", i)
         return plan
 
     # ----------------------------------------------------------------- requests

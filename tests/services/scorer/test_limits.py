@@ -5,6 +5,8 @@ spell) are 422s naming the field, never 500s."""
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import time
 from typing import Any
 
@@ -12,12 +14,15 @@ import httpx
 import pytest
 import uvicorn
 
+from mempo.api.scorer import ScoreItem
 from mempo.procs import free_port
+from mempo_sim.world import World
 from services.scorer.app import create_app
 from services.scorer.model import LoadedModel
+from services.scorer.plan import Plan, RowTooLong, plan_item, plan_memory
 from services.scorer.settings import ScorerSettings
 
-from .conftest import AppClient
+from .conftest import AppClient, random_trajectory
 
 TRAJECTORY: dict[str, Any] = {
     "questions": ["Where was Bothi born?"],
@@ -118,6 +123,128 @@ async def test_the_byte_cap_follows_the_model_positions_below_max_sequence_token
         assert resp.status_code == 413 and "bytes" in resp.json()["message"], resp.text
         assert str(positions * 16) in resp.json()["message"]
         assert time.perf_counter() - started < 1.0 and scorer.holder.current is not None
+
+
+def count_encoded(monkeypatch: pytest.MonkeyPatch, loaded: LoadedModel) -> list[int]:
+    """Wraps the model's tokenizer: the characters of every text it is asked to encode."""
+    tok = loaded.tokenizer
+    original = tok.encode
+    encoded: list[int] = []
+
+    def encode(text: str, *args: Any, **kwargs: Any) -> Any:
+        encoded.append(len(text))
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    return encoded
+
+
+async def test_items_within_the_byte_cap_are_refused_at_the_first_over_the_token_limit(
+    app_client: AppClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack: many items each just under the per-item byte cap (positions x 16) but
+    over the token limit. The 413 comes after tokenising the first one, not all of them
+    (120 such items took 9-11 s before; 4 at once 53 s each and 900 MiB kept)."""
+    positions = loaded.max_positions
+    assert positions is not None
+    size = positions * 16 - 72  # 131,000 bytes for 8k positions: under the byte cap
+    n = 32
+    items = [{"context": "x" * size, "answers": [f"a{i}"]} for i in range(n)]
+    body = json.dumps({"items": items}).encode()
+    tok = loaded.tokenizer
+    started = time.perf_counter()
+    for item in items:  # what the old code did before refusing
+        tok.encode(item["context"], add_special_tokens=False)
+    tokenise_all = time.perf_counter() - started
+    async with app_client() as client:
+        encoded = count_encoded(monkeypatch, loaded)
+        started = time.perf_counter()
+        resp = await client.post(
+            "/v1/score", content=body, headers={"content-type": "application/json"}
+        )
+        refused = time.perf_counter() - started
+        assert resp.status_code == 413, resp.text
+        message = resp.json()["message"]
+        assert message.startswith("items.0:") and "max_sequence_tokens" in message
+        assert str(positions) in message
+        assert encoded == [size]  # the first context only: not its alias, no other item
+        assert refused < tokenise_all / 4, (refused, tokenise_all)
+        # the same items within the limit are scored
+        ok = {"items": [{"context": "x" * (positions // 4), "answers": ["a"]}] * 2}
+        assert (await client.post("/v1/score", json=ok)).status_code == 200
+
+
+async def test_an_item_further_on_is_refused_before_the_items_after_it(
+    app_client: AppClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded = count_encoded(monkeypatch, loaded)
+    async with app_client(max_sequence_tokens=64) as client:
+        short = {"context": "y" * 20, "answers": ["x"]}
+        long = {"context": "y" * 1000, "answers": ["x"]}  # under 64 x 16 bytes, over 64 tokens
+        resp = await client.post("/v1/score", json={"items": [short, short, long, *[long] * 50]})
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["message"].startswith("items.2:")
+        assert encoded.count(1000) == 1 and encoded.count(20) == 2  # none after items.2
+    # the running total: the item that takes the request over max_request_tokens
+    encoded.clear()
+    async with app_client(max_sequence_tokens=64, max_request_tokens=2000) as client:
+        fits = {"context": "y" * 60, "answers": ["x"]}  # 60+ tokens; 400 x 61 bytes < 2000 x 16
+        resp = await client.post("/v1/score", json={"items": [fits] * 400})
+        assert resp.status_code == 413, resp.text
+        message = resp.json()["message"]
+        assert message.startswith("items: ") and "max_request_tokens" in message
+        crossed = int(message.split("up to items.")[1].split()[0])
+        assert 20 < crossed < 40 and encoded.count(60) == crossed + 1  # none after it
+
+
+async def test_a_trajectory_is_refused_while_it_is_planned(
+    app_client: AppClient, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds x aliases branches are not built past the limit: thousands of tiny rounds
+    with many aliases fit the byte cap but would make millions of segments."""
+    rounds = [{"memory": "m", "transcript": "t"}] * 3000
+    trajectory = {
+        "questions": ["q"],
+        "answers": [[f"alias {i}" for i in range(100)]],
+        "rounds": rounds,
+    }
+    async with app_client(max_sequence_tokens=2048) as client:
+        encoded = count_encoded(monkeypatch, loaded)
+        started = time.perf_counter()
+        resp = await client.post("/v1/memory-scores", json=trajectory)
+        assert resp.status_code == 413, resp.text
+        message = resp.json()["message"]
+        assert message.startswith("trajectories.0:") and "max_sequence_tokens" in message
+        # the aliases, the cue and the prompt: no round (6000 texts), no branch built
+        assert len(encoded) <= 100 + 2, len(encoded)
+        assert time.perf_counter() - started < 5.0
+
+
+def test_planning_refuses_exactly_the_rows_over_the_limit(
+    loaded: LoadedModel, world: World
+) -> None:
+    """The running count is the row's: a row of n tokens plans under limit n, and is
+    refused (RowTooLong, nothing added) under n - 1."""
+    tok, rng = loaded.tokenizer, random.Random(3)
+    for _ in range(12):
+        trajectory = random_trajectory(rng, world, rng.randint(1, 6))
+        whole = Plan()
+        plan_memory(whole, tok, trajectory, "best")
+        n = whole.rows[0].num_tokens
+        plan_memory(Plan(), tok, trajectory, "best", limit=n)
+        refused = Plan()
+        with pytest.raises(RowTooLong):
+            plan_memory(refused, tok, trajectory, "best", limit=n - 1)
+        assert refused.rows == [] and refused.memory == []
+    item = ScoreItem(context="Bothi was born in", answers=["Dostania", "Dost", "Dostania"])
+    whole = Plan()
+    plan_item(whole, tok, item, "best")
+    n = whole.rows[0].num_tokens
+    assert plan_item(Plan(), tok, item, "best", limit=n)
+    refused = Plan()
+    with pytest.raises(RowTooLong):
+        plan_item(refused, tok, item, "best", limit=n - 1)
+    assert refused.rows == [] and refused.items == []
 
 
 async def test_entries_per_request_are_capped(app_client: AppClient) -> None:
