@@ -14,7 +14,8 @@ of this list that fits it:
 - ``unsearched``: a question's subject was never searched for (the agent lost track of
   a question: it searched a name it made up, or another question's);
 - ``subject_in_memory``: a memory records a question's subject (or a hop's) as a value
-  found (``Q1 = Drobo`` after reading "Drobo was born in ... Melthi");
+  found (``Q1 = Drobo`` after reading "Drobo was born in ... Melthi"; an open entry
+  may start with its subject, ``Q2: Roqua > ?``, as ``mempo sft --memory-subjects`` writes);
 - ``wrong_relation``: a memory records another fact of the entity a hop asks about (the
   city where the employer was asked), or stops a 2-hop question after its first hop;
 - ``wrong_value``: any other wrong answer.
@@ -104,6 +105,8 @@ def failure_kind(
         for spec, (values, final) in zip(specs, memory_values(memory, k), strict=True):
             if spec is None:
                 continue
+            if values and values[0].lower() == spec.subject.lower():  # `Q2: Roqua > ?` (--memory-subjects)
+                values = values[1:]
             kinds = [_value_kind(world, spec, j, v) for j, v in enumerate(values[: spec.hops])]
             kinds.append(_value_kind(world, spec, None, final) if final else None)
             found.update(kind for kind in kinds if kind)

@@ -88,7 +88,7 @@ def test_the_failure_kinds_of_the_issue_are_told_apart(world: World, tokenizer: 
         (f"Q1 = {facts['employer']}; Q2 = {middle}", "a; b", "wrong_relation"),
         # the subject written into memory instead of the answer
         (f"Q1 = {employer.subject}; Q2: ?", "a; b", "subject_in_memory"),
-        (f"Q1: ?; Q2: {two_hop.subject} > ?", "a; b", "subject_in_memory"),
+        (f"Q1: ?; Q2: {two_hop.subject} > {two_hop.subject} > ?", "a; b", "subject_in_memory"),
         # one answer for two questions
         (f"Q1 = {facts['employer']}", facts["employer"], "one_answer"),
     ]
@@ -102,6 +102,7 @@ def test_the_failure_kinds_of_the_issue_are_told_apart(world: World, tokenizer: 
     )
     # right memories, a wrong answer anyway; and no answer at all
     right = [f"Q1 = {facts['employer']}; Q2: ?", f"Q1 = {facts['employer']}; Q2: {middle} > ?"]
+    right.append(f"Q1 = {facts['employer']}; Q2: {two_hop.subject} > {middle} > ?")  # with its subject
     assert _kind(world, tokenizer, both, right, "a; b") == "wrong_value"
     assert _kind(world, tokenizer, both, right, None) == "no_answer"
     looping = _trajectory(tokenizer, ["<mem>Q1: ?</mem>\n<search> Zed</search>"] * 3, None)
