@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -54,6 +56,26 @@ class EngineInfo(BaseModel):
     weight_version: str = "0"
     started_at: float = Field(default_factory=time.time)
     worker_url: str | None = Field(default=None, description="the rollout worker's own URL, if any")
+    proof: str | None = Field(
+        default=None,
+        description="HMAC-SHA256 of [id, role, url, worker_url] keyed with the role's admin token "
+        "(registration_proof): the learner sends its token and weights only to an entry that proves it",
+    )
+
+    def signed(self, token: str | None) -> EngineInfo:
+        """This entry with its proof (unchanged without a token: nothing to prove)."""
+        return self.model_copy(update={"proof": registration_proof(self, token)}) if token else self
+
+    def proven(self, token: str) -> bool:
+        """The entry was written by a holder of ``token``."""
+        return self.proof is not None and hmac.compare_digest(self.proof, registration_proof(self, token))
+
+
+def registration_proof(info: EngineInfo, token: str) -> str:
+    """What an entry's ``proof`` must be: whoever can write Redis but does not hold the
+    role's admin token cannot point the learner at a URL of its own."""
+    message = json.dumps([info.id, info.role, info.url, info.worker_url]).encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
 class PolicyPointer(BaseModel):

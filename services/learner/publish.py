@@ -12,7 +12,8 @@
 2. ``mempo:policy`` = {version, path}: a worker or scorer that starts late, or missed
    an update, loads it before it takes work.
 3. Every other live registration gets ``POST /update_weights_from_disk`` in parallel, with a
-   timeout and the admin token of its role: a rollout replica at its worker's URL (the
+   timeout and the admin token of its role, if it proves it holds that token (an HMAC
+   of the entry, ``mempo.queue.registration_proof``; an unproven entry gets nothing): a rollout replica at its worker's URL (the
    worker forwards to its engine, which is not reachable from outside the replica), the
    scorer at its own. One that fails is reported stale and catches up from the pointer;
    the publish still succeeds for the others.
@@ -146,7 +147,7 @@ class WeightPublisher:
         path = await asyncio.to_thread(self.write_version, exporter, version)
         exported = time.perf_counter()
         await self.queue.set_policy(version, str(path))
-        engines = await self.queue.list_engines()  # and those that registered meanwhile
+        engines, refused = await self.engines()  # and those that registered meanwhile
         rest = [e for e in engines if _base(e.url) not in sent]
         errors, disk_seconds = await self.notify(rest, path, version)
         if self.broadcaster is not None:
@@ -160,7 +161,7 @@ class WeightPublisher:
             version=version,
             path=str(path),
             updated=sorted({_base(e.url) for e in engines} - set(errors)),
-            stale=errors,
+            stale={**refused, **errors},
             removed=removed,
             seconds={**seconds, **disk_seconds},
             paths={**{_base(e.url): "disk" for e in rest}, **dict.fromkeys(sent, "broadcast")},
@@ -172,6 +173,9 @@ class WeightPublisher:
             log.warning(
                 "published v%d; %d engines stale: %s", version, len(errors), ", ".join(errors)
             )
+        if refused:
+            log.warning("published v%d; %d registry entries sent nothing (unproven): %s",
+                        version, len(refused), ", ".join(refused))  # fmt: skip
         log.info(
             "published v%d to %d engines in %.2fs", version, len(report.updated), report.total_s
         )
@@ -185,7 +189,7 @@ class WeightPublisher:
         first: a NaN or inf is never sent (the export then fails the publish too)."""
         if self.broadcaster is None:
             return set(), {}
-        engines = await self.queue.list_engines()
+        engines, _ = await self.engines()
         urls = sorted({_base(e.url) for e in engines if e.role == "rollout"})
         if not urls:
             return set(), {}
@@ -227,6 +231,22 @@ class WeightPublisher:
         )
         errors = {url: error for url, (error, _) in zip(urls, results, strict=True) if error}
         return errors, {url: took for url, (_, took) in zip(urls, results, strict=True)}
+
+    async def engines(self) -> tuple[list[EngineInfo], dict[str, str]]:
+        """The registered engines this learner may send to, and URL -> why for the others.
+        An entry of a role with an admin token must prove it holds that token
+        (``EngineInfo.proof``); any other is sent nothing, neither the token nor weights."""
+        trusted, refused = [], {}
+        for engine in await self.queue.list_engines():
+            token = self.token_for(engine.role)
+            if token is None or engine.proven(token):
+                trusted.append(engine)
+            else:
+                refused[_base(engine.url)] = (
+                    f"registry entry {engine.id!r} does not prove the {engine.role} admin token "
+                    "(a forged entry, or a token that differs from the learner's): sent nothing"
+                )[:500]
+        return trusted, refused
 
     def token_for(self, role: str) -> str | None:
         return self.role_tokens.get(role, self.admin_token)

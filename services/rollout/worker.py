@@ -319,7 +319,8 @@ class RolloutWorker:
         return reply
 
     def registry_entry(self) -> EngineInfo:
-        """The learner updates this replica through the worker: the entry's URL is ours."""
+        """The learner updates this replica through the worker: the entry's URL is ours,
+        signed with our admin token (the learner's token for the role)."""
         s = self.settings
         version = self.groups.episodes.engine_version if self.groups else "0"
         return EngineInfo(
@@ -329,7 +330,7 @@ class RolloutWorker:
             weight_version=version,
             started_at=self.started_at,
             worker_url=s.own_url(),
-        )
+        ).signed(s.admin_token_value())
 
     # ----------------------------------------------------------------- shutdown and status
 

@@ -99,7 +99,7 @@ class Registration:
             url=self.url,
             weight_version=self.service.current.version,
             started_at=self.started_at,
-        )
+        ).signed(self.settings.admin_token_value())
 
     async def close(self) -> None:
         await self.membership.leave(self.id)

@@ -83,7 +83,7 @@ def engines() -> Iterator[list[StandInEngine]]:
 async def _register(queue: RedisQueue, fleet: list[StandInEngine]) -> None:
     for engine in fleet:
         role = "scorer" if engine.name == "scorer" else "rollout"
-        await queue.register_engine(EngineInfo(id=engine.name, role=role, url=engine.url))
+        await queue.register_engine(EngineInfo(id=engine.name, role=role, url=engine.url).signed(TOKEN))
 
 
 async def test_a_publish_reaches_two_engines_and_the_scorer(
@@ -137,8 +137,8 @@ async def test_a_failing_engine_is_stale_and_the_others_are_updated(
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
     await _register(queue, engines)
     dead_url = f"http://127.0.0.1:{free_port()}"  # registered, but nothing listens
-    await queue.register_engine(EngineInfo(id="gone", url=dead_url))
-    await queue.register_engine(EngineInfo(id="twin", url=engines[0].url + "/"))  # same engine
+    await queue.register_engine(EngineInfo(id="gone", url=dead_url).signed(TOKEN))
+    await queue.register_engine(EngineInfo(id="twin", url=engines[0].url + "/").signed(TOKEN))  # same engine
     publisher = WeightPublisher(queue, tmp_path / "w", admin_token=TOKEN, timeout_s=10)
     try:
         report = await publisher.publish(CopyExporter(tiny_model_dir), version=3)
@@ -153,7 +153,7 @@ async def test_a_failing_engine_is_stale_and_the_others_are_updated(
     assert (await queue.get_policy()).version == 3  # type: ignore[union-attr]
 
 
-async def test_a_wrong_admin_token_leaves_the_engine_stale(
+async def test_a_learner_with_another_token_sends_nothing_and_reports_the_engine_stale(
     redis_client: object,
     keys: Keys,
     tmp_path: Path,
@@ -167,7 +167,8 @@ async def test_a_wrong_admin_token_leaves_the_engine_stale(
         report = await publisher.publish(CopyExporter(tiny_model_dir), version=1)
     finally:
         await publisher.aclose()
-    assert "403" in report.stale[engines[0].url] and report.updated == []
+    assert "does not prove the rollout admin token" in report.stale[engines[0].url]
+    assert report.updated == [] and engines[0].calls == []  # not even a refused call: no token sent
 
 
 async def test_old_versions_are_removed_unless_an_engine_serves_them(
@@ -189,7 +190,7 @@ async def test_old_versions_are_removed_unless_an_engine_serves_them(
         # engine-b failed to load anything after v2 and still serves it
         engines[1].fail = True
         await queue.register_engine(
-            EngineInfo(id="engine-b", url=engines[1].url, weight_version="2")
+            EngineInfo(id="engine-b", url=engines[1].url, weight_version="2").signed(TOKEN)
         )
         report = await publisher.publish(exporter, 4)
         await publisher.settled()

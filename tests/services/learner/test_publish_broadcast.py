@@ -64,10 +64,10 @@ async def test_a_broadcast_publish_reaches_the_engines_and_the_rest_load_from_di
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
     with serving([scorer.app(), old.app()]) as (scorer.url, old.url):
         for i, url in enumerate(urls):
-            await queue.register_engine(EngineInfo(id=f"engine-{i}", role="rollout", url=url))
-        await queue.register_engine(EngineInfo(id="scorer", role="scorer", url=scorer.url))
+            await queue.register_engine(EngineInfo(id=f"engine-{i}", role="rollout", url=url).signed(ADMIN))
+        await queue.register_engine(EngineInfo(id="scorer", role="scorer", url=scorer.url).signed(ADMIN))
         # an engine that speaks only /update_weights_from_disk: it cannot be paused
-        await queue.register_engine(EngineInfo(id="old", role="rollout", url=old.url))
+        await queue.register_engine(EngineInfo(id="old", role="rollout", url=old.url).signed(ADMIN))
         publisher = WeightPublisher(
             queue, root, admin_token=ADMIN, timeout_s=30, broadcast=True,
             broadcast_options={"bucket_bytes": 256 * 1024},

@@ -35,7 +35,7 @@ async def test_engines_and_scorer_load_the_published_version(
     with serving(apps) as urls:
         for i, url in enumerate(urls):
             role = "scorer" if i == 2 else "rollout"
-            await queue.register_engine(EngineInfo(id=f"e{i}", role=role, url=url), ttl_s=120)
+            await queue.register_engine(EngineInfo(id=f"e{i}", role=role, url=url).signed(TOKEN), ttl_s=120)
         publisher = WeightPublisher(queue, root, admin_token=TOKEN, timeout_s=60)
         try:
             report = await publisher.publish(trainer, version=1)

@@ -244,6 +244,7 @@ async def test_the_worker_registers_with_a_heartbeat_and_leaves_on_stop(
         worker_id="w",
         public_url="http://10.0.0.5:8003",
         registry_ttl_s=1,
+        admin_token="worker-token-0123456789",
     ) as worker:
         worker.start()
         for _ in range(100):
@@ -254,6 +255,8 @@ async def test_the_worker_registers_with_a_heartbeat_and_leaves_on_stop(
         # The learner updates the engine through the worker: the entry names the worker.
         assert entry.id == "w" and entry.role == "rollout" and entry.url == "http://10.0.0.5:8003"
         assert entry.worker_url == "http://10.0.0.5:8003"
+        # signed with the worker's admin token: the learner holding it will trust the entry
+        assert entry.proven("worker-token-0123456789") and not entry.proven("another-token-0123456")
         assert 0 < await redis_client.ttl(keys.engine("w")) <= 1
         await asyncio.sleep(1.2)  # the heartbeat keeps it alive past its TTL
         assert [e.id for e in await queue.list_engines()] == ["w"]

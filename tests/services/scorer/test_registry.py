@@ -33,6 +33,7 @@ async def test_heartbeat_registers_and_catches_up(
         public_url="http://scorer-a:8002",
         weights_root=str(weights_root),
         heartbeat_s=2.0,
+        admin_token="scorer-token-0123456789",
     )
     registration = Registration(service, settings)
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
@@ -46,6 +47,7 @@ async def test_heartbeat_registers_and_catches_up(
             "0",
         )
         assert 0 < await queue.redis.ttl(keys.engine("scorer-a")) <= 6
+        assert entry.proven("scorer-token-0123456789")  # the learner holding it trusts the entry
         await queue.set_policy(1, str(weights_root / "v1"))
         await registration.beat()  # the pointer is newer: load it, re-register
         assert service.current.version == "1"
