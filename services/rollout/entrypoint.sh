@@ -46,9 +46,14 @@ trap 'stop_all' TERM INT
 case "$ENGINE" in
   sglang)
     : "${MODEL:?set MODEL to the HF model folder (for example /weights/v0) or hub id}"
+    # The admin key goes in a 0600 config file (SGLang's --config YAML), never on the
+    # command line, where any process of the container could read it.
+    sglang_config=$(mktemp "${TMPDIR:-/tmp}/sglang-XXXXXX.yaml")
+    python3 -c 'import json, os; print("admin-api-key: " + json.dumps(os.environ["MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN"]))' \
+      > "$sglang_config"
     # shellcheck disable=SC2086  # SGLANG_ARGS is a list of flags
-    python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$ENGINE_PORT" \
-      --weight-version 0 --admin-api-key "$MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN" ${SGLANG_ARGS:-} &
+    python3 -m sglang.launch_server --config "$sglang_config" --model-path "$MODEL" --host 127.0.0.1 \
+      --port "$ENGINE_PORT" --weight-version 0 ${SGLANG_ARGS:-} &
     pids+=($!)
     ;;
   cpu)

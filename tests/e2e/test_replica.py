@@ -10,6 +10,7 @@ ENGINE=cpu), on loopback (issue 13, item 7):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import yaml
 
 from mempo.keys import Keys
 from mempo.procs import RedisServer, free_port, wait_ready
@@ -140,3 +142,31 @@ async def publish_once(server: RedisServer, keys: Keys, weights: Path, model: Pa
     finally:
         await publisher.aclose()
         await client.aclose()
+
+
+def test_the_sglang_engine_gets_its_key_from_a_private_file_not_its_command_line(tmp_path: Path) -> None:
+    """ENGINE=sglang once passed --admin-api-key on SGLang's command line (readable by every
+    process of the container). A stand-in ``sglang.launch_server`` records what it got."""
+    fake = tmp_path / "site" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    record = tmp_path / "record.json"
+    (fake / "launch_server.py").write_text(
+        "import json, os, stat, sys\n"
+        "path = sys.argv[sys.argv.index('--config') + 1]\n"
+        "mode = stat.S_IMODE(os.stat(path).st_mode)\n"
+        f"open({str(record)!r}, 'w').write(json.dumps({{'argv': sys.argv, 'config': open(path).read(), 'mode': mode}}))\n"
+    )
+    key = "k'e\"y " + secrets.token_hex(16)  # quotes and a space survive the YAML
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPO_")}
+    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "PYTHONPATH": str(fake.parent),
+            "ENGINE": "sglang", "MODEL": "/models/m", "ENGINE_PORT": str(free_port()),
+            "MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN": key, "TMPDIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(REPO / "services/rollout/entrypoint.sh")], env=env, capture_output=True, timeout=60
+    )
+    assert b"exited before it was healthy" in done.stderr, done.stderr  # the stand-in exits at once
+    got = json.loads(record.read_text())
+    assert key not in " ".join(got["argv"]) and "--model-path" in got["argv"]
+    assert got["mode"] == 0o600
+    assert yaml.safe_load(got["config"]) == {"admin-api-key": key}
