@@ -127,6 +127,12 @@ def settings_from_args(
     except click.ClickException as exc:  # an unknown option, a missing value
         exc.show()
         raise SystemExit(2) from None
+    for name, value in given.items():
+        if "://" in str(value) and urlsplit(str(value)).password:
+            fail(
+                f"--{name.replace('_', '-')}: a password in a URL option shows on the command line "
+                f"to every process of the machine; give it in {env}{name.upper()} or {env}REDIS_PASSWORD"
+            )
     try:
         return cls(**given)
     except ValidationError as exc:

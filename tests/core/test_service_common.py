@@ -180,6 +180,20 @@ def test_a_bad_option_exits_2_naming_it(
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_password_in_a_url_option_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--redis-url redis://:pw@host` once worked, the password on the command line."""
+    from mempo.settings import settings_from_args
+    from services.rollout.settings import WorkerSettings
+
+    with pytest.raises(SystemExit) as exited:
+        settings_from_args(WorkerSettings, ["--redis-url", "redis://:s3cret-password-0123@r:6379/0"], "w")
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--redis-url" in err and "MEMPO_ROLLOUT_REDIS_URL" in err
+    assert "s3cret" not in err
+    url = "redis://r:6379/0"  # without a password: fine
+    assert settings_from_args(WorkerSettings, ["--redis-url", url], "w").redis_url == url
+
+
 def test_an_alias_and_the_nested_trainer_block_stays_off_the_command_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
