@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", Task, Group)
 DEAD_STREAM_MAXLEN = 100_000
+DEAD_PAYLOAD_BYTES = 256 * 1024  # a dead record's payload kept whole up to this size
 
 
 class EngineInfo(BaseModel):
@@ -222,9 +223,13 @@ class RedisQueue:
     async def dead_letter(
         self, stream: str, group: str, entry_id: str, data: str, reason: str, blob: bytes | None = None
     ) -> None:
-        """Move a record to the dead stream with its reason, and ack it where it was."""
-        fields = {"stream": stream, "entry_id": entry_id, "reason": reason, "data": data, "at": str(time.time())}
-        if blob:
+        """Move a record to the dead stream with its reason, and ack it where it was. A
+        payload over ``DEAD_PAYLOAD_BYTES`` (JSON and sidecar) keeps only the JSON's first
+        ``DEAD_PAYLOAD_BYTES`` characters: junk cannot grow Redis by what it weighs."""
+        fields = {"stream": stream, "entry_id": entry_id, "reason": reason[:2000], "data": data, "at": str(time.time())}
+        if len(data) + len(blob or b"") > DEAD_PAYLOAD_BYTES:
+            fields |= {"data": data[:DEAD_PAYLOAD_BYTES], "truncated": f"{len(data)} data bytes, {len(blob or b'')} sidecar bytes"}
+        elif blob:
             fields["blob_b64"] = base64.b64encode(blob).decode()
         await self.redis.xadd(
             self.keys.dead,

@@ -105,6 +105,30 @@ async def test_malformed_records_go_to_dead(redis_client: Any, keys: Keys) -> No
     assert reasons[1].startswith("malformed Group record") and "task" in reasons[1]
 
 
+async def test_a_huge_junk_record_is_dead_lettered_trimmed_with_its_reason(
+    redis_client: Any, keys: Keys
+) -> None:
+    """Three 50 MB junk entries once grew Redis by 144 MB: the dead stream kept them whole."""
+    from mempo.queue import DEAD_PAYLOAD_BYTES
+
+    q = queue(redis_client, keys, "learner")
+    await q.ensure_groups()
+    await redis_client.xadd(keys.groups, {"data": "{" + "x" * 5_000_000, "blob": b"\0" * 1_000_000})
+    assert await q.claim_groups(5, block_ms=None) == []
+    (dead,) = await q.dead_letters()
+    assert dead["reason"].startswith("malformed Group record")
+    assert len(dead["data"]) == DEAD_PAYLOAD_BYTES and "blob_b64" not in dead
+    assert dead["truncated"] == "5000001 data bytes, 1000000 sidecar bytes"
+    assert int(await redis_client.memory_usage(keys.dead)) < 2 * DEAD_PAYLOAD_BYTES
+    # a small record stays whole, sidecar included: it can be inspected and replayed
+    group = make_group()
+    await q.publish_group(group)
+    (delivery,) = await q.claim_groups(5, block_ms=None)
+    await q.dead_letter(keys.groups, LEARNER_GROUP, delivery.entry_id, group.model_dump_json(), "test", b"abc")
+    kept = (await q.dead_letters())[-1]
+    assert kept["data"] == group.model_dump_json() and kept["blob_b64"] == "YWJj" and "truncated" not in kept
+
+
 async def test_groups_round_trip_packed(redis_client: Any, keys: Keys) -> None:
     q = queue(redis_client, keys, "learner")
     await q.ensure_groups()
