@@ -52,6 +52,9 @@ def write_env(folder: Path, learner_port: int) -> Path:
     """A .env for the check: strong random secrets, the shipped tiny model, small sizes."""
     values = {
         "MEMPO_REDIS_PASSWORD": secrets.token_hex(16),
+        "MEMPO_REDIS_LEARNER_PASSWORD": secrets.token_hex(16),
+        "MEMPO_REDIS_ROLLOUT_PASSWORD": secrets.token_hex(16),
+        "MEMPO_REDIS_SCORER_PASSWORD": secrets.token_hex(16),
         "MEMPO_SCORER_ADMIN_TOKEN": secrets.token_hex(16),
         "MEMPO_WORKER_ADMIN_TOKEN": secrets.token_hex(16),
         "MEMPO_MODEL": "/opt/mempo/tiny",

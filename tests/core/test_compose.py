@@ -78,6 +78,7 @@ def strong_env(tmp_path: Path) -> Path:
     """.env.example with real secrets (the Redis one full of URL and shell specials)."""
     values = {
         "MEMPO_REDIS_PASSWORD": f"'{PASSWORD}'",
+        **{f"MEMPO_REDIS_{role}_PASSWORD": secrets.token_hex(16) for role in ("LEARNER", "ROLLOUT", "SCORER")},
         "MEMPO_SCORER_ADMIN_TOKEN": secrets.token_hex(16),
         "MEMPO_WORKER_ADMIN_TOKEN": secrets.token_hex(16),
     }
@@ -133,6 +134,12 @@ def test_every_service_has_its_own_secret_and_refuses_the_placeholders(
     assert env["learner"]["MEMPO_LEARNER_WORKER_ADMIN_TOKEN"] == env["rollout"]["MEMPO_ROLLOUT_ADMIN_TOKEN"]
     assert env["scorer"]["MEMPO_SCORER_ADMIN_TOKEN"] != env["rollout"]["MEMPO_ROLLOUT_ADMIN_TOKEN"]
     assert "MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN" not in env["rollout"]  # made in the replica
+    # each service logs in to Redis as its own ACL user, with its own password
+    redis = env["redis"]
+    for role in ("learner", "rollout", "scorer"):
+        prefix = f"MEMPO_{role.upper()}_"
+        assert env[role][f"{prefix}REDIS_URL"] == f"redis://{role}@redis:6379/0"
+        assert env[role][f"{prefix}REDIS_PASSWORD"] == redis[f"REDIS_{role.upper()}_PASSWORD"] != redis["REDIS_PASSWORD"]
 
 
 def test_the_redis_password_is_on_no_command_line(tmp_path: Path) -> None:
@@ -161,7 +168,9 @@ def test_the_redis_start_script_serves_the_password_from_a_file(tmp_path: Path) 
     (shim / "docker-entrypoint.sh").chmod(0o755)
     port, conf = free_port(), tmp_path / "redis.conf"
     env = {"PATH": f"{shim}:{os.environ['PATH']}", "REDIS_PASSWORD": PASSWORD,
-           "MEMPO_REDIS_CONF": str(conf), "TEST_PORT": str(port), "TEST_DIR": str(tmp_path)}  # fmt: skip
+           "MEMPO_REDIS_CONF": str(conf), "TEST_PORT": str(port), "TEST_DIR": str(tmp_path),
+           "MEMPO_REDIS_CONF_SCRIPT": str(REPO / "docker/redis-conf.sh")}  # fmt: skip
+    env |= {f"REDIS_{role}_PASSWORD": secrets.token_hex(16) for role in ("LEARNER", "ROLLOUT", "SCORER")}
     proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
     probe = RedisServer(tmp_path, port=port, password=PASSWORD)
     try:
