@@ -187,6 +187,20 @@ def test_the_redis_start_script_serves_the_password_from_a_file(tmp_path: Path) 
         proc.wait(timeout=10)
 
 
+def test_every_container_is_hardened_and_none_shares_the_host_ipc() -> None:
+    for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.cpu.yml")):
+        result = run_config(REPO / ".env.example", files=files)
+        assert result.returncode == 0, result.stderr
+        for name, service in yaml.safe_load(result.stdout)["services"].items():
+            assert service["cap_drop"] == ["ALL"], name
+            assert set(service.get("cap_add", [])) <= {"CHOWN", "SETUID", "SETGID", "DAC_OVERRIDE"}, name
+            assert "no-new-privileges:true" in service["security_opt"], name
+            assert service["pids_limit"] > 0 and int(service["mem_limit"]) > 0, name
+            assert "ipc" not in service and not service.get("privileged"), name
+            if name not in ("redis", "volumes-init"):  # root only to chown, then its user
+                assert "cap_add" not in service, name
+
+
 # --------------------------------------------------------------------------- issue 28: the CPU stack
 
 
