@@ -116,11 +116,48 @@ class Stack:
     def pending(self) -> list[tuple[str, str]]:
         """(task entry id, consumer) of every task claimed and not yet done: XPENDING's
         rows are (id, consumer, idle ms, deliveries)."""
-        out = self.redis("XPENDING", "mempo:tasks", "rollout", "-", "+", "100")
-        return [(out[i], out[i + 1]) for i in range(0, len(out) - 3, 4)]
+        return [(row[0], row[1]) for row in _rows(self.redis("XPENDING", "mempo:tasks", "rollout", "-", "+", "100"), 4)]
 
     def rollout_containers(self) -> list[str]:
         return self.compose("ps", "-q", "rollout", capture=True).split()
+
+    def diagnostics(self) -> dict[str, Any]:
+        """What a failed check needs to be understood: the claimed tasks (entry, consumer,
+        idle ms, deliveries), the task stream's consumers, the stream lengths, each
+        replica's worker status (consuming, in flight, why not ready) and the learner's."""
+        found: dict[str, Any] = {}
+        probes: dict[str, Callable[[], Any]] = {
+            "pending_tasks": lambda: [
+                dict(zip(("entry", "consumer", "idle_ms", "deliveries"), row, strict=True))
+                for row in _rows(self.redis("XPENDING", "mempo:tasks", "rollout", "-", "+", "100"), 4)
+            ],
+            "task_consumers": lambda: self.redis("XINFO", "CONSUMERS", "mempo:tasks", "rollout"),
+            "stream_lengths": lambda: {s: self.redis("XLEN", f"mempo:{s}") for s in ("tasks", "groups", "dead")},
+            "workers": lambda: {c[:12]: _worker_status(c) for c in self.rollout_containers()},
+            "learner": self.status,
+        }
+        for name, probe in probes.items():
+            try:
+                found[name] = probe()
+            except (CheckFailed, OSError, ValueError, subprocess.SubprocessError) as exc:
+                found[name] = f"unavailable: {exc}"[:300]
+        return found
+
+
+def _rows(flat: list[str], width: int) -> list[list[str]]:
+    return [flat[i : i + width] for i in range(0, len(flat) - width + 1, width)]
+
+
+def _worker_status(container: str) -> Any:
+    """GET /v1/status of the worker inside a replica (its port is not published)."""
+    probe = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8003/v1/status', timeout=5).read().decode())"
+    result = subprocess.run(["docker", "exec", container, "python3", "-c", probe],
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    if result.returncode != 0:
+        return f"unavailable: {result.stderr.strip()[-300:]}"
+    status = json.loads(result.stdout)
+    keep = ("ready", "reason", "consuming", "in_flight_tasks", "tasks_done", "tasks_failed", "engine_weight_version")
+    return {k: status.get(k) for k in keep}
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 2.0) -> Any:
@@ -222,6 +259,8 @@ def main() -> int:
         run(stack, args.steps, report)
     except (CheckFailed, subprocess.SubprocessError, OSError) as exc:
         report["errors"].append(str(exc))
+        report["diagnostics"] = stack.diagnostics()
+        log("diagnostics: " + json.dumps(report["diagnostics"], indent=1))
         with contextlib.suppress(CheckFailed, subprocess.SubprocessError):
             stack.compose("logs", "--tail", "30")
     finally:
