@@ -13,7 +13,14 @@ also ``http_floor_s``: the fixed cost no publish over HTTP can go below; for the
 ``weight_sync = broadcast``: the engines get the tensors over gloo (services/learner/
 broadcast.py; the scorer still loads the folder): ``broadcast_s`` is the engines' push,
 ``broadcast_ratio`` it over the copy. Prints one JSON line: {"publish_s", "copy_s",
-"ratio", "broadcast_s", "broadcast_ratio", ...}. Goals: ratio <= 2, broadcast_ratio <= 1.
+"ratio", "broadcast_s", "broadcast_ratio", "load_ratio", ...}. Goals: ratio <= 2,
+broadcast_ratio <= 1.
+
+``load_owned_s`` is what a receiver's load of a published (sealed) version costs in this
+process: mempo.weights.load_checked, which reads every tensor into memory of its own so
+that nothing served aliases the file; ``load_mapped_s`` the zero-copy load it replaced
+(map_safetensors and the same checks), whose pages are only read when first used;
+``load_ratio`` the first over the second, the same folder in the same run.
 
     python benchmarks/weight_publish.py [--preset medium|large|reader|test] [--reps 9]
     python benchmarks/weight_publish.py --smoke   # seconds-scale sizes: checks it runs
@@ -154,6 +161,31 @@ async def publish_and_copy(
     }
 
 
+def measure_load(folder: Path, root: Path, model: Any, reps: int) -> dict[str, float]:
+    """Medians of a receiver's load of ``folder`` (sealed) in this process, read into
+    owned tensors (what the services run) and mapped (zero-copy), alternately."""
+    from mempo.weights import check_weights, is_sealed, load_checked, map_safetensors
+
+    expected = model.state_dict()
+
+    def mapped() -> Any:
+        state = map_safetensors(folder, root)
+        check_weights(state, expected, str(folder), finite=not is_sealed(folder))
+        return state
+
+    def owned() -> Any:
+        return load_checked(folder, expected, root)
+
+    times: dict[str, list[float]] = {"owned": [], "mapped": []}
+    for _ in range(max(reps, 3)):
+        for name, load in (("owned", owned), ("mapped", mapped)):
+            started = time.perf_counter()
+            state = load()
+            times[name].append(time.perf_counter() - started)
+            del state
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 async def measure(
     model: Path, urls: list[str], redis_url: str, root: Path, reps: int
 ) -> dict[str, Any]:
@@ -170,9 +202,10 @@ async def measure(
     queue = RedisQueue(redis, Keys("bench:"))
     for i, url in enumerate(urls):
         info = EngineInfo(id=f"p{i}", role="scorer" if i == 2 else "rollout", url=url)
-        await queue.register_engine(info, ttl_s=3600)
+        await queue.register_engine(info.signed(TOKEN), ttl_s=3600)  # as the services sign
     paths: dict[str, dict[str, float]] = {}
     each: dict[str, list[float]] = {}  # every publish, the warm-up ones first
+    loads: dict[str, float] = {}
     version = 0
     try:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -191,6 +224,8 @@ async def measure(
                 timed = runs[WARM_UP:]
                 paths[path] = {name: statistics.median(run[name] for run in timed) for name in runs[0]}
                 each[path] = [round(run["publish_s"], 4) for run in runs]
+                if path == "disk":  # the last version is still on disk, in the page cache
+                    loads = measure_load(root / f"v{version}", root, trainer.policy, reps)
     finally:
         await queue.aclose()
         await redis.aclose()
@@ -213,6 +248,10 @@ async def measure(
         # measured 2-3x slower there)
         "broadcast_ratio": round(sent["broadcast_s"] / disk["copy_s"], 3),
         "broadcast_publish_s": round(sent["publish_s"], 4),
+        # a receiver's load of one version: read into owned tensors against mapped
+        "load_owned_s": round(loads["owned"], 4),
+        "load_mapped_s": round(loads["mapped"], 5),
+        "load_ratio": round(loads["owned"] / loads["mapped"], 1),
         "publish_each_s": each["disk"],  # the first WARM_UP are not timed
         "bytes": int(disk["bytes"]),
         "params": sum(p.numel() for p in trainer.policy.parameters()),

@@ -1,7 +1,8 @@
 """Checked weights into a live model (mempo.weights reads and checks them first).
 
 ``assign_weights`` makes the tensors a model's parameters without copying them;
-``module_tree_copy`` gives a model to assign them to while the original keeps serving.
+``module_tree_copy`` gives a model to assign them to while the original keeps serving;
+``own_tensors`` copies a model's CPU tensors out of the files transformers mapped.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
+import numpy
 import torch
 
 from mempo.weights import WeightsFormatError
@@ -62,3 +64,32 @@ def module_tree_copy(model: torch.nn.Module) -> torch.nn.Module:
         return copies[id(module)]
 
     return copied(model)
+
+
+def own_tensors(model: torch.nn.Module) -> None:
+    """Give every CPU parameter and buffer of ``model`` memory of its own, one tensor at a
+    time (each keeps its identity: tied weights stay tied). transformers' ``from_pretrained``
+    leaves a CPU tensor whose dtype is the file's a view of the safetensors file's memory
+    mapping: a rewrite of the file in place would change what is served, a truncation kill
+    the process (SIGBUS). Call it on every model a service serves after loading it. The
+    mapped pages are the file's (the page cache), not the process's memory: the memory
+    peak is the model plus one tensor."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = _copied(tensor.data)
+
+
+def _copied(source: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU tensor in new memory. One thread's memcpy (numpy's): torch's
+    parallel copy out of a freshly mapped file took 8x as long on 2 threads (0.46 s
+    against 0.06 s for 104 MB, both faulting the pages in)."""
+    if not source.is_contiguous() or not source.numel():
+        return source.clone()
+    copy = torch.empty_like(source, memory_format=torch.contiguous_format)
+    numpy.copyto(_bytes(copy), _bytes(source))
+    return copy
+
+
+def _bytes(tensor: torch.Tensor) -> numpy.ndarray:
+    return tensor.reshape(-1).view(torch.uint8).numpy()

@@ -269,7 +269,7 @@ def inside_root(path: str, root: str | Path | None) -> Path:
     """Resolve ``path`` and require it to lie inside ``root`` (403 otherwise, and 403 with
     no root; 422 for a string that names no path: a NUL byte, an unknown ``~user``).
     Only the folder is checked here: the files read from it are checked one by one
-    (mempo.weights.map_safetensors with the root)."""
+    (mempo.weights.load_checked with the root)."""
     root_resolved = require_weights_root(root)
     try:
         resolved = Path(path).expanduser().resolve()

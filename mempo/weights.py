@@ -1,9 +1,12 @@
-"""safetensors without extra copies: zero-copy reading, and writing straight from tensors.
+"""safetensors without extra copies: reading, and writing straight from tensors.
 
-``map_safetensors`` maps each file privately (copy-on-write) and returns tensors that
-view the mapping: no bytes are copied until a tensor is written, and a file the learner
-has just written is read straight from the page cache. The mapping stays valid when the
-file is deleted later (the learner's retention), because the mapping holds the inode.
+``read_safetensors`` reads each tensor's bytes straight into a tensor of its own (one
+copy, from the page cache when the learner has just written the file): what a service
+serves never aliases a file, so rewriting a loaded file in place (``rsync --inplace``, a
+restore) or truncating it changes nothing served and cannot kill the process (a mapping
+of a truncated file raises SIGBUS). ``map_safetensors`` maps each file privately
+(copy-on-write) and returns tensors that view the mapping, zero-copy: only for a look at
+files that are not served afterwards (the learner's check of its own export).
 
 ``write_safetensors`` streams each tensor's bytes from its own memory into the file
 (safetensors' ``save_file`` first builds the whole file in memory): one copy per publish;
@@ -19,8 +22,9 @@ resolves inside the weights root (a symlink to outside is refused, checked on th
 actually opened), the header must be exactly the format above (anything else is a
 ``WeightsFormatError``, which services answer with 400), and ``check_weights`` holds a
 state against the model's own: no missing, unexpected or reshaped tensor, no NaN / inf.
-``load_checked`` is both; it skips the NaN / inf scan of files the learner sealed after
-its own check (``seal``), when they are still exactly the files it sealed.
+``load_checked`` is both, on tensors read (not mapped); it skips the NaN / inf scan of
+files the learner sealed after its own check (``seal``), when they are still exactly the
+files it sealed, from their opening until their last byte was read.
 Checked tensors go into a live model with mempo.model_weights.
 """
 
@@ -171,16 +175,51 @@ def _map_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], l
     return tensors, _identity(opened)
 
 
+def _read_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], list[int] | None]:
+    """Every tensor of one safetensors file, read into memory of its own (no mapping: a
+    file rewritten or truncated later changes nothing read), and the opened file's
+    identity, None when it changed while being read (no seal matches None). Unbuffered:
+    every byte comes from the file between the two identities, straight into its tensor."""
+    with os.fdopen(_open_checked(Path(path), root), "rb", buffering=0) as handle:
+        opened = os.fstat(handle.fileno())
+        header, start = _read_header(handle, path, opened.st_size)
+        entries = {
+            name: _entry(name, spec, opened.st_size - start, path)
+            for name, spec in header.items()
+            if name != "__metadata__"
+        }
+        tensors: dict[str, torch.Tensor] = {}  # read in file order: one pass over it
+        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda e: e[1][2]):
+            if end == begin:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            _read_exactly(handle, raw.numpy().data, start + begin, path)
+            tensors[name] = raw.view(dtype).reshape(shape)
+        changed = _identity(os.fstat(handle.fileno())) != _identity(opened)
+    return {name: tensors[name] for name in entries}, None if changed else _identity(opened)
+
+
+def _read_exactly(handle: Any, into: memoryview, offset: int, path: Path) -> None:
+    handle.seek(offset)
+    done = 0
+    while done < len(into):
+        got = handle.readinto(into[done:])
+        if not got:  # the file shrank after its header was read
+            raise WeightsFormatError(f"{path.name}: truncated while being read")
+        done += got
+
+
 def _map_folder(
-    directory: Path, root: Path | None
-) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    directory: Path, root: Path | None, read: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int] | None]]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightsFormatError(f"no *.safetensors in {directory}")
     state: dict[str, torch.Tensor] = {}
-    identities = {}
+    identities: dict[str, list[int] | None] = {}
     for file in files:
-        tensors, identities[file.name] = _map_file(file, root)
+        tensors, identities[file.name] = (_read_file if read else _map_file)(file, root)
         for name, tensor in tensors.items():
             if name in state:
                 raise WeightsFormatError(f"{name!r} appears in more than one file of {directory}")
@@ -195,14 +234,22 @@ def map_safetensors(directory: Path, root: Path | None = None) -> dict[str, torc
     return _map_folder(directory, root)[0]
 
 
+def read_safetensors(directory: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory``, read into tensors of
+    their own, one at a time (no mapping, no second copy of a file): what a service may
+    serve. ``root`` as for ``map_safetensors``."""
+    return _map_folder(directory, root, read=True)[0]
+
+
 def load_checked(
     directory: Path, expected: Mapping[str, torch.Tensor], root: Path | None = None
 ) -> dict[str, torch.Tensor]:
-    """``map_safetensors`` then ``check_weights`` against ``expected`` (a model's state
-    dict): what a receiver of a publish runs. The finite scan is skipped when the folder's
-    seal (``seal``) records every file exactly as it was opened: the learner checked
-    those bytes finite, and nobody has written, replaced or copied them since."""
-    state, identities = _map_folder(directory, root)
+    """``read_safetensors`` then ``check_weights`` against ``expected`` (a model's state
+    dict): what a receiver of a publish runs; the tensors own their memory. The finite
+    scan is skipped when the folder's seal (``seal``) records every file exactly as it
+    was opened and, after its last byte was read, still was: the learner checked those
+    bytes finite, and nobody has written, replaced or copied them since."""
+    state, identities = _map_folder(directory, root, read=True)
     check_weights(state, expected, str(directory), finite=_read_seal(directory, root) != identities)
     return state
 

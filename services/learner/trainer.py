@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mempo.model_weights import own_tensors
 from mempo.schedule import cosine_schedule
 from services.learner import checkpoint
 from services.learner.checkpoint import CheckpointState
@@ -50,6 +51,7 @@ def load_model(
     )
     model.config.use_cache = False
     model.to(ctx.device)
+    own_tensors(model)  # on CPU: not a view of the base model's file (the KL reference for the run)
     if trainable:
         model.train()
         if config.gradient_checkpointing:  # transformers 5.24 renamed it

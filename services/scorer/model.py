@@ -8,9 +8,11 @@ An update reads nothing but the folder's ``*.safetensors``, through mempo.weight
 file must resolve inside the weights root, and the tensors must be exactly the model's
 (no missing, unexpected or reshaped tensor, no NaN / inf), as the CPU engine requires.
 They become the parameters of a new model built from the current one (its structure
-copied, its parameters not: on CPU the mapped tensors are the parameters, elsewhere one
-copy to the device); the architecture, config and tokenizer stay the ones the scorer
-started with (a weight update changes weights only).
+copied, its parameters not: on CPU the tensors read from the files are the parameters,
+elsewhere one copy to the device); no parameter is ever a view of a file's mapping, so a
+file rewritten or truncated after its load changes nothing scored. The architecture,
+config and tokenizer stay the ones the scorer started with (a weight update changes
+weights only).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mempo.model_weights import assign_weights, module_tree_copy
+from mempo.model_weights import assign_weights, module_tree_copy, own_tensors
 from mempo.weights import load_checked
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ def load_model(path: str | Path, version: str, device: str = "auto") -> LoadedMo
     tokenizer = AutoTokenizer.from_pretrained(path)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.to(target).eval()
+    own_tensors(model)  # on CPU: not views of the mapped files, which may be rewritten or cut
     model.requires_grad_(False)
     log.info("loaded %s (weight version %s) on %s as %s", path, version, target, dtype)
     return LoadedModel(model, tokenizer, str(path), version, target)
@@ -106,9 +109,9 @@ class ModelHolder:
             expected = current.model.state_dict()
             state = load_checked(Path(path), expected, root)
             # A new tree of modules over the serving one's tensors, which assign_weights
-            # then replaces: no copy of the weights on this path (the files' mapped
-            # tensors become the parameters on CPU; one copy to the device and dtype
-            # elsewhere). The serving model is untouched until the swap.
+            # then replaces: no copy of the weights beyond their read (the tensors read
+            # become the parameters on CPU; one copy to the device and dtype elsewhere).
+            # The serving model is untouched until the swap.
             model = module_tree_copy(current.model)
             assign_weights(model, {
                 name: tensor.to(device=expected[name].device, dtype=expected[name].dtype)

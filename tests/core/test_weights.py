@@ -8,6 +8,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,10 @@ from mempo.weights import (
 )
 
 
-def test_equals_load_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["mapped", "read"])
+def test_equals_load_file(tmp_path: Path, how: str) -> None:
+    from mempo.weights import read_safetensors
+
     tensors = {
         "a": torch.randn(3, 4),
         "b": torch.arange(10, dtype=torch.int64),
@@ -32,7 +36,7 @@ def test_equals_load_file(tmp_path: Path) -> None:
         "scalar": torch.tensor(1.5),
     }
     save_file(tensors, tmp_path / "model.safetensors")
-    mapped = map_safetensors(tmp_path)
+    mapped = (map_safetensors if how == "mapped" else read_safetensors)(tmp_path)
     reference = load_file(tmp_path / "model.safetensors")
     assert mapped.keys() == reference.keys()
     for name, tensor in reference.items():
@@ -263,6 +267,90 @@ def test_a_seal_that_does_not_match_the_files_is_ignored_and_nan_refused(
         load_checked(folder, tensors, tmp_path)
 
 
+# In a child process: a view of a mapped file that was truncated is a SIGBUS, which must
+# fail the test, not end pytest.
+_REWRITE_AND_TRUNCATE = """
+import os, sys, torch
+from pathlib import Path
+from mempo.weights import load_checked
+folder, root = Path(sys.argv[1]), Path(sys.argv[2])
+expected = torch.load(folder.parent / "expected.pt")
+state = load_checked(folder, expected, root)
+file = folder / "model.safetensors"
+with file.open("r+b") as handle:  # every byte after the 8-byte length: header and data
+    handle.seek(8)
+    handle.write(b"\\xff" * (file.stat().st_size - 8))
+assert all(torch.equal(state[k], v) for k, v in expected.items()), "rewritten"
+os.truncate(file, 0)
+assert all(torch.equal(state[k], v) for k, v in expected.items()), "truncated"
+print("same")
+"""
+
+
+def test_loaded_tensors_own_their_memory(tmp_path: Path) -> None:
+    """``load_checked``'s tensors are no view of the file: rewriting it in place and then
+    truncating it changes none of them (a sealed folder: no scan touches them first)."""
+    import subprocess
+    import sys
+
+    tensors = _sealed(tmp_path / "v1")
+    torch.save(tensors, tmp_path / "expected.pt")
+    proc = subprocess.run(
+        [sys.executable, "-c", _REWRITE_AND_TRUNCATE, str(tmp_path / "v1"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "same", (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten"])
+def test_a_file_changed_while_being_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Truncated between its header and its data: refused (no SIGBUS, a format error).
+    Rewritten in place meanwhile: its seal no longer counts, so its NaN is found."""
+    from mempo import weights
+
+    tensors = _sealed(tmp_path / "v1")
+    file = tmp_path / "v1" / "model.safetensors"
+    read_header = weights._read_header
+
+    def then_change(handle: object, path: Path, size: int) -> tuple[dict[str, object], int]:
+        header = read_header(handle, path, size)
+        time.sleep(0.02)  # before Linux 6.13 a file's times move by the jiffy
+        if change == "truncated":
+            os.truncate(file, size - 4)
+        else:
+            _poison_in_place(file)
+        return header
+
+    monkeypatch.setattr(weights, "_read_header", then_change)
+    error = WeightsFormatError if change == "truncated" else NonFiniteWeights
+    with pytest.raises(error, match=r"truncated while being read|holds NaN"):
+        weights.load_checked(tmp_path / "v1", tensors, tmp_path)
+
+
+def test_own_tensors_copies_a_model_out_of_its_mapped_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers maps the file and its float32 parameters view it; after own_tensors a
+    rewrite of the file in place changes nothing, and tied weights stay tied."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from mempo.model_weights import own_tensors
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")  # never the shared fixture's files
+    model: Any = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    own_tensors(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with (tmp_path / "m" / "model.safetensors").open("r+b") as handle:
+        handle.seek(8)
+        handle.write(b"\xff" * ((tmp_path / "m" / "model.safetensors").stat().st_size - 8))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_a_module_tree_copy_takes_new_weights_and_leaves_the_model_alone(
     tiny_model_dir: Path,
 ) -> None:
@@ -270,12 +358,12 @@ def test_a_module_tree_copy_takes_new_weights_and_leaves_the_model_alone(
 
     from mempo.model_weights import assign_weights, module_tree_copy
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    other = module_tree_copy(model)
+    other: Any = module_tree_copy(model)
     assert other.config is model.config  # attributes and buffers shared, not copied
     assert all(a is b for a, b in zip(other.buffers(), model.buffers(), strict=True))
     new = {k: v + 0.01 for k, v in before.items() if k != "lm_head.weight"}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mempo.model_weights import assign_weights
+from mempo.model_weights import assign_weights, own_tensors
 from mempo.weight_sync import broadcast, empty_bucket, parse_dtype, unflatten
 from mempo.weights import WeightsOutsideRoot, check_finite, load_checked
 
@@ -47,6 +47,7 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        own_tensors(model)  # not views of the mapped files: those may be rewritten or cut
         model.eval()
         model.requires_grad_(False)
         return cls(model, model_path)
@@ -99,7 +100,7 @@ class ModelRunner:
         if not is_folder:
             raise WeightsError(f"{path} is not a folder")
         expected = self.model.state_dict()
-        try:  # zero-copy views of the files (mempo/weights.py): no bytes move until used
+        try:  # read into tensors of their own (mempo/weights.py): no view of the files
             state = load_checked(path, expected, root)
         except WeightsOutsideRoot as exc:
             raise WeightsRootError(str(exc)) from exc
@@ -169,9 +170,9 @@ class ModelRunner:
         """Put checked weights in the model (scheduler thread, between steps); ``path``:
         the folder they came from (None: a broadcast bucket, maybe a part of the model).
 
-        The tensors are assigned, not copied (they view the mapped files or the received
-        bucket); tied weights (lm_head = embeddings) are tied again to whichever of them
-        ``state`` holds."""
+        The tensors are assigned, not copied (read from the files or the received bucket,
+        they own their memory); tied weights (lm_head = embeddings) are tied again to
+        whichever of them ``state`` holds."""
         assign_weights(self.model, state)
         if path is not None:
             self.model_path = path

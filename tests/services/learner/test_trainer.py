@@ -220,3 +220,19 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(
     after = snapshot(trainer.policy)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert all(bool(torch.isfinite(p).all()) for p in after.values())
+
+
+def test_the_reference_model_is_not_a_view_of_the_base_model_s_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A rewrite of the base checkpoint in place (an `rsync --inplace`) once changed the KL
+    reference under a running learner: the file was mapped and the tensors viewed it."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")  # never the shared fixture's files
+    trainer = Trainer(TrainerConfig(beta_kl=0.01), tmp_path / "m")
+    assert trainer.ref is not None
+    before = snapshot(trainer.ref)
+    file = tmp_path / "m" / "model.safetensors"
+    with file.open("r+b") as handle:
+        handle.seek(8)
+        handle.write(b"\xff" * (file.stat().st_size - 8))
+    assert all(torch.equal(p, before[n]) for n, p in trainer.ref.named_parameters())
