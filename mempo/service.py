@@ -280,6 +280,16 @@ def inside_root(path: str, root: str | Path | None) -> Path:
     return resolved
 
 
+def without_root(text: str, root: str | Path | None) -> str:
+    """``text`` (a path, or a message naming paths) with the weights root's absolute path
+    written ``<weights root>``: an error body never shows where the server keeps files."""
+    if not root:
+        return text
+    for form in sorted({str(Path(root).expanduser().resolve()), str(root).rstrip("/")}, key=len, reverse=True):
+        text = text.replace(form, "<weights root>")
+    return text
+
+
 # --------------------------------------------------------------------------- health and metrics
 
 

@@ -15,7 +15,7 @@ from mempo.api.engine import ModelInfo, UpdateWeightsFromDiskRequest, UpdateWeig
 from mempo.api.scorer import MemoryScoresRequest, MemoryScoresResponse, ScoreRequest, ScoreResponse
 from mempo.disconnects import cancel_on_disconnect
 from mempo.metrics import Metrics
-from mempo.service import AdminDep, ErrorBody, Forbidden, inside_root, install_common
+from mempo.service import AdminDep, ErrorBody, Forbidden, inside_root, install_common, without_root
 from mempo.settings import quiet_hub
 from mempo.weights import WeightsOutsideRoot
 from services.scorer.model import LoadedModel, load_initial
@@ -71,7 +71,8 @@ async def update_weights(
     except OSError:  # a name longer than the file system allows
         is_folder = False
     if not is_folder:
-        failed = UpdateWeightsResponse(success=False, message=f"model_path: {path} is not a folder")
+        shown = without_root(str(path), scorer.settings.weights_root)
+        failed = UpdateWeightsResponse(success=False, message=f"model_path: {shown} is not a folder")
         return JSONResponse(failed.model_dump(), 400)
     try:
         new = await scorer.update_weights(path, body.weight_version)
@@ -79,7 +80,7 @@ async def update_weights(
         raise Forbidden(str(exc)) from exc
     except Exception as exc:  # a checkpoint that does not load: SGLang answers 400
         failed = UpdateWeightsResponse(
-            success=False, message=f"model_path: cannot load: {exc}"[:500]
+            success=False, message=without_root(f"model_path: cannot load: {exc}", scorer.settings.weights_root)[:500]
         )
         return JSONResponse(failed.model_dump(), 400)
     ok = UpdateWeightsResponse(success=True, message=f"loaded weight version {new.version}")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mempo.model_weights import assign_weights, own_tensors
+from mempo.service import without_root
 from mempo.weight_sync import broadcast, empty_bucket, parse_dtype, unflatten
 from mempo.weights import WeightsOutsideRoot, check_finite, load_checked
 
@@ -98,14 +99,14 @@ class ModelRunner:
         except OSError:  # a name longer than the file system allows
             is_folder = False
         if not is_folder:
-            raise WeightsError(f"{path} is not a folder")
+            raise WeightsError(without_root(f"{path} is not a folder", root))
         expected = self.model.state_dict()
         try:  # read into tensors of their own (mempo/weights.py): no view of the files
             state = load_checked(path, expected, root)
         except WeightsOutsideRoot as exc:
             raise WeightsRootError(str(exc)) from exc
         except (OSError, ValueError, RuntimeError) as exc:
-            raise WeightsError(f"cannot load {path}: {exc}") from exc
+            raise WeightsError(without_root(f"cannot load {path}: {exc}", root)) from exc
         return {name: tensor.to(expected[name].dtype) for name, tensor in state.items()}
 
     def bucket_dtypes(

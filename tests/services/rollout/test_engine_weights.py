@@ -45,6 +45,7 @@ def test_bad_weights_are_a_400_and_the_old_ones_keep_serving(
     reply = update(url, folders[case])
     assert reply.status_code == 400, reply.text
     assert reply.json()["success"] is False
+    assert str(folders[case].parent) not in reply.text  # the weights root is never shown
     after = generate(url, PROMPT)
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
     assert after["output_ids"] == before["output_ids"]

@@ -141,6 +141,12 @@ async def test_admin_auth_and_weights_root(
         missing = {"model_path": str(weights_root / "v9"), "weight_version": "9"}
         resp = await client.post("/update_weights_from_disk", json=missing, headers=auth)
         assert resp.status_code == 400 and resp.json()["success"] is False
+        assert resp.json()["message"] == "model_path: <weights root>/v9 is not a folder"
+        (weights_root / "v8").mkdir()
+        (weights_root / "v8" / "model.safetensors").write_bytes(b"junk")
+        broken = {"model_path": str(weights_root / "v8"), "weight_version": "8"}
+        resp = await client.post("/update_weights_from_disk", json=broken, headers=auth)
+        assert resp.status_code == 400 and str(weights_root.resolve()) not in resp.text
         assert (await client.get("/model_info")).json()["weight_version"] == "0"
 
 
