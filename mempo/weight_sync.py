@@ -12,23 +12,73 @@ The group is made as SGLang makes it (``init_custom_process_group``): a TCP stor
 ``master_address:master_port`` (the learner, rank 0, holds it), prefixed with the group
 name, and a process group over that store, apart from any default group (the learner's
 FSDP group is another). gloo on CPU (this is what runs here), NCCL on GPU.
+
+What mempo adds, the collectives unchanged (an SGLang engine sees SGLang's protocol):
+
+- The learner's store listens on ``master_address`` only (``listen_socket``), and its
+  gloo device too, not on every interface.
+- Before each bucket the learner announces in the store what it is about to broadcast:
+  the bytes of the tensor it sends and a digest of the names, dtypes, shapes and format
+  it tells the engines (``announce_bucket``). The CPU engine compares that with the
+  request before it posts the receive (``check_bucket``) and refuses a bucket that does
+  not match or was not announced: gloo aborts the process when more bytes come than were
+  posted, and loads the stale tail of the buffer when fewer come.
+- An engine joins in a thread of its own (``Joining``) that gives up at its deadline or
+  when cancelled, however the learner's end behaves: its sockets to the store are shut
+  down, which ends torch's wait for a store that accepted the connection and never answers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import logging
 import math
-from collections.abc import Iterable, Sequence
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 GROUP = "weight_update_group"
 FLATTENED = "flattened_bucket"
+BUCKET_KEY = "mempo/bucket"  # + "/<index>": the learner's announcement of a bucket
+CONNECT_STEP_S = 2.0  # one try of torch's store client, which cannot be stopped in a try
+REAP_PERIOD_S = 0.05
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 Group = Any  # a c10d backend: ProcessGroupGloo or ProcessGroupNCCL (no common stub type)
+
+
+class JoinCancelled(Exception):
+    """The join was given up (a newer join took its place, or its deadline passed)."""
+
+
+class BucketMismatch(ValueError):
+    """A bucket's request does not describe what the learner announced it broadcasts."""
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """A joined weight-update group: its process group, its (prefixed) store and the
+    number of buckets announced (the learner) or checked (an engine) in it so far."""
+
+    name: str
+    backend: Group
+    store: Any  # dist.PrefixStore
+    rank: int
+    buckets: int = field(default=0)
 
 
 def join_group(
@@ -39,31 +89,298 @@ def join_group(
     group_name: str = GROUP,
     backend: str = "gloo",
     timeout_s: float = 60.0,
-) -> Group:
-    """Join (rank 0: open) the weight-update group; returns once every rank has joined."""
+    *,
+    listen: socket.socket | None = None,
+    cancelled: threading.Event | None = None,
+    peers: set[str] | None = None,
+) -> WeightGroup:
+    """Join (rank 0: open) the weight-update group; returns once every rank has joined.
+
+    Rank 0 with ``listen`` (``listen_socket``): the store serves on that socket (and the
+    gloo device binds its address), not on every interface. A rank > 0 connects within
+    ``timeout_s`` (a refused port is retried until then) and stops trying once
+    ``cancelled`` is set. The addresses of the store are added to ``peers``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: gloo or nccl")
     if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("backend nccl needs CUDA: on CPU use gloo")
+    deadline = time.monotonic() + timeout_s
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
+    device_host = ""
+    if rank == 0:
+        if peers is not None:  # its own client connects there
+            with contextlib.suppress(OSError):
+                infos = socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)
+                peers.update(str(info[4][0]) for info in infos)
+        if listen is not None and _is_ip(host := str(listen.getsockname()[0])):
+            unspecified = ipaddress.ip_address(host.split("%")[0]).is_unspecified
+            device_host = "" if unspecified else host  # 0.0.0.0: gloo's default device
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=True, timeout=timeout,
+            master_listen_fd=None if listen is None else os.dup(listen.fileno()),
+            use_libuv=True,
+        )  # fmt: skip
+    else:
+        store = _connect_store(
+            master_address,
+            master_port,
+            world_size,
+            deadline,
+            cancelled or threading.Event(),
+            peers if peers is not None else set(),
+        )
     prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    if backend == "gloo" and device_host:  # the device binds the store's address
+        options = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (not in the stubs)
+        options._timeout = timeout
+        options._threads = 2  # as the timeout-only constructor
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+        pg: Group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    elif backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options)
+    store.set_timeout(timeout)  # a rank > 0 joined with what was left of it
+    return WeightGroup(group_name, pg, prefixed, rank)
 
 
-def broadcast(group: Group, tensor: torch.Tensor, src: int = 0) -> None:
+def _connect_store(
+    address: str,
+    port: int,
+    world_size: int,
+    deadline: float,
+    cancelled: threading.Event,
+    peers: set[str],
+) -> Any:
+    """A client of the store at ``address:port`` by ``deadline``.
+
+    A port that refuses is retried here (torch's client would retry it for about twice
+    its timeout, and could not be stopped); once something accepts, torch's client
+    connects in tries of at most ``CONNECT_STEP_S``."""
+    last: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if cancelled.is_set():
+            raise JoinCancelled(f"the join of {address}:{port} was given up")
+        if remaining <= 0:
+            raise TimeoutError(f"no weight-group store at {address}:{port}: {last}")
+        try:
+            infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+            peers.update(str(info[4][0]) for info in infos)
+            with socket.create_connection((address, port), timeout=min(remaining, 1.0)):
+                pass  # something accepts: now torch's client
+        except OSError as exc:  # refused, unreachable, unresolved
+            last = exc
+            time.sleep(min(0.2, max(remaining, 0.0)))
+            continue
+        try:
+            step = timedelta(seconds=max(min(remaining, CONNECT_STEP_S), 0.001))
+            store = dist.TCPStore(address, port, world_size, is_master=False, timeout=step)
+        except RuntimeError as exc:  # DistNetworkError: refused, reset, timed out
+            last = exc
+            continue
+        # the group's rendezvous waits in the store for the other ranks: what is left
+        store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        return store
+
+
+class Joining:
+    """One join of a weight-update group in a thread of its own.
+
+    ``wait`` answers by the deadline (``timeout_s`` from the start) or once ``cancel`` is
+    called, whatever the other end does; a join that is given up has its sockets to the
+    store shut down until its thread has ended (torch waits without a timeout for a store
+    that accepted the connection and never answers; rank 0 waits in its own store for the
+    others), and a group it makes after all is dropped."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+        listen: socket.socket | None = None,
+    ) -> None:
+        """``listen``: rank 0's (``join_group``); the caller closes it once this has ended."""
+        self.args = (master_address, master_port, rank, world_size, group_name, backend)
+        self.listen = listen
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.port = master_port
+        self.peers: set[str] = set()  # the store's addresses, as the thread resolved them
+        self.reason = ""
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._result: WeightGroup | BaseException | None = None
+        self._lock = threading.Lock()
+        self._before = _socket_inodes()  # not this join's
+        self._thread = threading.Thread(
+            target=self._run, name=f"weight-join-{group_name[:32]}", daemon=True
+        )
+        self._reaper: threading.Thread | None = None
+        self._thread.start()
+
+    def _run(self) -> None:
+        address, port, rank, world, name, backend = self.args
+        try:
+            group: WeightGroup | BaseException = join_group(
+                address, port, rank, world, name, backend, self.timeout_s,
+                listen=self.listen, cancelled=self._cancelled, peers=self.peers,
+            )  # fmt: skip
+        except BaseException as exc:  # handed to the waiter
+            group = exc
+        with self._lock:
+            if self._cancelled.is_set() and isinstance(group, WeightGroup):
+                group = JoinCancelled(self.reason)  # the group made after all is dropped
+            self._result = group
+            self._done.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def wait(self) -> WeightGroup:
+        """The group; raises JoinCancelled (given up), TimeoutError (the deadline), or
+        the join's error."""
+        while not self._done.is_set():
+            if self._cancelled.is_set():
+                raise JoinCancelled(self.reason)
+            if time.monotonic() >= self.deadline:
+                self.cancel(f"no group within {self.timeout_s:g}s")
+                raise TimeoutError(self.reason)
+            await asyncio.sleep(REAP_PERIOD_S)
+        result, self._result = self._result, None  # the caller's alone: dropped, it closes
+        if isinstance(result, WeightGroup):
+            return result
+        raise result if result is not None else JoinCancelled("the group was taken already")
+
+    def cancel(self, reason: str) -> None:
+        """Give the join up: its waiter answers now, its thread is made to end."""
+        with self._lock:
+            if self._cancelled.is_set():
+                return
+            self.reason = reason
+            self._cancelled.set()
+            if self._done.is_set():
+                return
+        self._reaper = threading.Thread(target=self._reap, name="weight-join-reaper", daemon=True)
+        self._reaper.start()
+
+    async def ended(self, timeout_s: float) -> bool:
+        """Whether the join's thread has ended within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(REAP_PERIOD_S)
+        return not self._thread.is_alive()
+
+    def _reap(self) -> None:
+        give_up = time.monotonic() + self.timeout_s + 30.0
+        while self._thread.is_alive() and time.monotonic() < give_up:
+            shutdown_connections(set(self.peers), self.port, self._before)  # a copy: it grows
+            self._thread.join(REAP_PERIOD_S)
+
+
+def listen_socket(address: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``address`` only (``port`` 0: a free one) for the
+    learner's store (``join_group(listen=...)``)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def broadcast(group: WeightGroup | Group, tensor: torch.Tensor, src: int = 0) -> None:
     """Send (rank ``src``) or receive ``tensor`` in place; blocks until done."""
     options = dist.BroadcastOptions()
     options.rootRank = src
-    group.broadcast([tensor], options).wait()
+    backend = group.backend if isinstance(group, WeightGroup) else group
+    backend.broadcast([tensor], options).wait()
+
+
+def bucket_announcement(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None,
+    nbytes: int,
+) -> dict[str, Any]:
+    """What a bucket's announcement holds: the bytes broadcast and a digest of the request."""
+    described = json.dumps(
+        [list(names), list(dtypes), [list(s) for s in shapes], load_format or ""],
+        separators=(",", ":"),
+    )
+    return {"nbytes": nbytes, "sha256": hashlib.sha256(described.encode()).hexdigest()}
+
+
+def announce_bucket(
+    group: WeightGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None,
+    nbytes: int,
+) -> None:
+    """The learner, before it tells the engines about a bucket and broadcasts it: ``nbytes``
+    is the size of what it broadcasts (the flattened tensor, or the tensors' sum)."""
+    index = group.buckets
+    group.buckets += 1
+    announcement = bucket_announcement(names, dtypes, shapes, load_format, nbytes)
+    key = f"{BUCKET_KEY}/{index}"
+    group.store.set(key, json.dumps(announcement))
+    group.store.check([key])  # a round trip: the store holds it before the engines are told
+    if index:
+        with contextlib.suppress(RuntimeError):  # the previous one is checked by now
+            group.store.delete_key(f"{BUCKET_KEY}/{index - 1}")
+
+
+def check_bucket(
+    group: WeightGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None,
+    nbytes: int,
+    wait_s: float = 2.0,
+) -> None:
+    """An engine, before it posts the receive of the group's next bucket: raises
+    BucketMismatch unless the learner announced this bucket as the request describes it
+    (``nbytes``: the bytes the request's dtypes and shapes make)."""
+    index = group.buckets
+    group.buckets += 1
+    key = f"{BUCKET_KEY}/{index}"
+    try:
+        group.store.wait([key], timedelta(seconds=wait_s))
+        announced = json.loads(group.store.get(key))
+    except (RuntimeError, ValueError) as exc:
+        raise BucketMismatch(
+            f"bucket {index} of group {group.name} was not announced by the learner "
+            f"({str(exc)[:120]})"
+        ) from exc
+    expected = bucket_announcement(names, dtypes, shapes, load_format, nbytes)
+    if not isinstance(announced, dict) or announced.get("nbytes") != nbytes:
+        sent = announced.get("nbytes") if isinstance(announced, dict) else announced
+        raise BucketMismatch(
+            f"bucket {index}: the learner broadcasts {str(sent)[:40]} bytes, the request "
+            f"declares {nbytes}"
+        )
+    if announced.get("sha256") != expected["sha256"]:
+        raise BucketMismatch(
+            f"bucket {index}: the names, dtypes, shapes or format differ from what the "
+            "learner announced"
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,8 +414,9 @@ def flatten(named: NamedTensors) -> torch.Tensor:
 
 
 def empty_bucket(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
-    """A uint8 buffer that receives a flattened bucket of these tensors."""
-    return torch.empty(_bucket_bytes(dtypes, shapes), dtype=torch.uint8)
+    """A zeroed uint8 buffer that receives a flattened bucket of these tensors (zeroed: a
+    sender that sends fewer bytes leaves zeros, never the memory the buffer held)."""
+    return torch.zeros(bucket_bytes(dtypes, shapes), dtype=torch.uint8)
 
 
 def unflatten(
@@ -108,7 +426,7 @@ def unflatten(
     shapes: Sequence[Sequence[int]],
 ) -> dict[str, torch.Tensor]:
     """The tensors of a flattened bucket, viewing ``buffer`` (no copy)."""
-    if buffer.numel() != _bucket_bytes(dtypes, shapes):
+    if buffer.numel() != bucket_bytes(dtypes, shapes):
         raise ValueError(f"a bucket of {buffer.numel()} bytes does not hold these tensors")
     out: dict[str, torch.Tensor] = {}
     offset = 0
@@ -121,5 +439,80 @@ def unflatten(
     return out
 
 
-def _bucket_bytes(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> int:
+def bucket_bytes(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> int:
+    """The bytes of a bucket of tensors of these dtypes and shapes."""
     return sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes, strict=True))
+
+
+# This process's TCP connections, from /proc (Linux; elsewhere none are found).
+
+
+def _socket_inodes() -> dict[int, int]:
+    """Socket inode -> a file descriptor of it, of this process."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:["):
+                    out[int(target[8:-1])] = int(name)
+    return out
+
+
+def _proc_address(text: str) -> tuple[str, int]:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+    address = ipaddress.ip_address(words)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address), int(port, 16)
+
+
+def tcp_connections() -> Iterator[tuple[int, tuple[str, int], tuple[str, int], int]]:
+    """(inode, local address, remote address, state) of the TCP sockets of this network
+    namespace (state 10: listening)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as file:
+                rows = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            try:
+                local, remote = _proc_address(fields[1]), _proc_address(fields[2])
+                inode, state = int(fields[9]), int(fields[3], 16)
+            except (ValueError, IndexError):
+                continue
+            yield inode, local, remote, state
+
+
+def shutdown_connections(hosts: set[str], port: int, spare: Iterable[int] = ()) -> int:
+    """Shut down this process's TCP connections to ``port`` on one of ``hosts``, except
+    the sockets of inodes ``spare``: a thread blocked on one returns; how many."""
+    hosts = {str(ipaddress.ip_address(h.split("%")[0])) for h in hosts if _is_ip(h)}
+    spared = set(spare)
+    mine = _socket_inodes()
+    count = 0
+    for inode, _, (host, remote_port), _ in list(tcp_connections()):
+        if remote_port != port or host not in hosts or inode in spared or inode not in mine:
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.dup(mine[inode])
+            try:
+                if os.fstat(fd).st_ino == inode:  # still that socket (not a reused number)
+                    with socket.socket(fileno=os.dup(fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+            finally:
+                os.close(fd)
+    return count
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    return True

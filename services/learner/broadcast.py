@@ -7,9 +7,11 @@ One push:
 2. if the set of engines changed since the last push (or that push failed), a new group
    is made: the learner is rank 0 and holds its store at ``master_address:port``; engine
    i (in URL order) joins at rank i + 1 (``/init_weights_update_group``, all at once);
-3. bucket by bucket (``bucket_bytes`` each, flattened: one collective per bucket), every
-   engine is told the bucket's names, dtypes and shapes (``/update_weights_from_distributed``,
-   the weight version on the last bucket) while the learner broadcasts its bytes;
+3. bucket by bucket (``bucket_bytes`` each, flattened: one collective per bucket), the
+   learner announces the bucket in the group's store (the bytes it broadcasts, a digest of
+   what it tells the engines: mempo/weight_sync.py), then every engine is told the bucket's
+   names, dtypes and shapes (``/update_weights_from_distributed``, the weight version on
+   the last bucket) while the learner broadcasts its bytes;
 4. every engine that loaded the version is resumed (``/continue_generation``; never while
    a bucket is in flight); one that failed after it was paused stays paused, so that it
    never generates on a part of a version, until the publisher has loaded the whole
@@ -29,13 +31,25 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import torch
 
+from mempo.api.engine import UpdateWeightsResponse
 from mempo.clients.engine import EngineClient, EngineError
-from mempo.procs import free_port
-from mempo.weight_sync import FLATTENED, Group, broadcast, buckets, dtype_name, flatten, join_group
+from mempo.weight_sync import (
+    FLATTENED,
+    JoinCancelled,
+    Joining,
+    WeightGroup,
+    announce_bucket,
+    broadcast,
+    buckets,
+    dtype_name,
+    flatten,
+    listen_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +60,7 @@ ENGINE_ERRORS = (EngineError, httpx.HTTPError, TimeoutError, ValueError)
 class _Membership:
     urls: tuple[str, ...]
     name: str
-    group: Group
+    group: WeightGroup | None
 
 
 class WeightBroadcaster:
@@ -61,8 +75,8 @@ class WeightBroadcaster:
         timeout_s: float = 60.0,
     ) -> None:
         """``token_for(url)``: the admin token of the engine (its worker) at ``url``;
-        ``master_address``: where the engines reach this learner; ``port`` 0: a free one
-        for each group."""
+        ``master_address``: where the engines reach this learner (the group's store and
+        gloo listen on that address only); ``port`` 0: a free one for each group."""
         self.http = http
         self.token_for = token_for
         self.master_address = master_address
@@ -125,18 +139,29 @@ class WeightBroadcaster:
             if self._members is None:
                 return set()
         members = self._members
+        group = members.group
+        assert group is not None  # a membership without a group is never kept
         parts = buckets(sorted(tensors.items()), self.bucket_bytes)
         for i, part in enumerate(parts):
             names = [name for name, _ in part]
             dtypes = [dtype_name(t.dtype) for _, t in part]
             shapes = [list(t.shape) for _, t in part]
             last = str(version) if i == len(parts) - 1 else None
+            flat = flatten(part)
+            try:  # what is broadcast next, before the engines are told (they check it)
+                await asyncio.to_thread(
+                    announce_bucket, group, names, dtypes, shapes, FLATTENED, flat.numel()
+                )
+            except RuntimeError as exc:  # the store is gone
+                for url in urls:
+                    errors[url] = f"bucket {i + 1}/{len(parts)}: announcing it: {exc}"
+                return set()
             calls = {
                 u: asyncio.create_task(c.update_weights_from_distributed(
                     names, dtypes, shapes, last, members.name, FLATTENED))
                 for u, c in clients.items()
             }  # fmt: skip
-            sent = await asyncio.to_thread(_broadcast_or_error, members.group, flatten(part))
+            sent = await asyncio.to_thread(_broadcast_or_error, group, flat)
             for url, call in calls.items():
                 try:
                     reply = await asyncio.wait_for(call, self.timeout_s)
@@ -157,22 +182,43 @@ class WeightBroadcaster:
         """A new group of this learner (rank 0) and the engines, in URL order."""
         urls = tuple(clients)
         name = f"mempo-weights-{next(self._generation)}"
-        port = self.port or free_port()
         world = len(urls) + 1
         started = time.perf_counter()
+        try:  # bound before the engines are asked: on master_address only, never refused
+            listening = listen_socket(self.master_address, self.port)
+        except OSError as exc:
+            where = f"{self.master_address}:{self.port}"
+            for url in urls:
+                errors[url] = f"the weight group's store on {where}: {exc}"
+            return None
+        port = int(listening.getsockname()[1])
         asks = [
             asyncio.create_task(c.init_weights_update_group(
                 self.master_address, port, rank, world, name, self.backend))
             for rank, c in enumerate(clients.values(), start=1)
         ]  # fmt: skip
+        joining = Joining(
+            self.master_address, port, 0, world, name, self.backend, self.timeout_s,
+            listen=listening,
+        )  # fmt: skip
+        group: WeightGroup | None = None
+        reason = ""
         try:
-            group = await asyncio.to_thread(
-                join_group, self.master_address, port, 0, world, name, self.backend, self.timeout_s
-            )
-        except (RuntimeError, ValueError, OSError) as exc:
-            group = None
+            group = await _first_refusal_cancels(joining, dict(zip(urls, asks, strict=True)))
+        except (JoinCancelled, TimeoutError, RuntimeError, ValueError, OSError) as exc:
             reason = f"joining the weight group: {exc}"
+        finally:
+            await joining.ended(5.0)  # the store holds its own copy of the socket
+            listening.close()
+        if group is None:  # the engines still joining wait for a store that is gone
+            await asyncio.wait(asks, timeout=2.0)
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)  # cancelled by now
         for url, ask in zip(urls, asks, strict=True):
+            if ask.cancelled():
+                errors[url] = reason
+                continue
             try:
                 reply = await asyncio.wait_for(ask, self.timeout_s)
                 if not reply.success:
@@ -220,7 +266,23 @@ class WeightBroadcaster:
                 log.info("%s: leaving weight group %s: %s", url, members.name, exc)
 
 
-def _broadcast_or_error(group: Group, tensor: torch.Tensor) -> str | None:
+async def _first_refusal_cancels(
+    joining: Joining, asks: dict[str, asyncio.Task[UpdateWeightsResponse]]
+) -> WeightGroup:
+    """The learner's end of a new group; given up as soon as an engine answers that it
+    could not join (the group cannot be made: waiting for it would hold the publish for
+    the whole timeout)."""
+    waiter = asyncio.create_task(joining.wait())
+    pending: set[asyncio.Future[Any]] = {waiter, *asks.values()}
+    while not waiter.done():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for url, ask in asks.items():
+            if ask in done and (ask.exception() is not None or not ask.result().success):
+                joining.cancel(f"{url} could not join")
+    return await waiter
+
+
+def _broadcast_or_error(group: WeightGroup, tensor: torch.Tensor) -> str | None:
     try:
         broadcast(group, tensor)
     except RuntimeError as exc:  # a peer gone: gloo's connection errors, its timeout

@@ -33,7 +33,15 @@ from mempo.api.engine import (
 from mempo.metrics import Metrics
 from mempo.service import Forbidden, NotReady, inside_root, require_weights_root
 from mempo.settings import quiet_hub
-from mempo.weight_sync import FLATTENED, join_group
+from mempo.weight_sync import (
+    FLATTENED,
+    BucketMismatch,
+    JoinCancelled,
+    Joining,
+    WeightGroup,
+    bucket_bytes,
+    check_bucket,
+)
 from services.rollout.engine.model import ModelRunner, WeightsError, WeightsRootError
 from services.rollout.engine.protocol import Limits, expand, response
 from services.rollout.engine.runtime import EngineRuntime, EngineStopped
@@ -42,6 +50,7 @@ from services.rollout.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 1.0  # how often a long /generate checks that its client is still there
+JOIN_GRACE_S = 5.0  # a newer join waits this long at most for the thread of the one it replaces
 
 
 class EngineMetrics:
@@ -103,9 +112,10 @@ class Engine:
         self.runtime = runtime
         self.limits = limits
         self.tokenizer_path = str(Path(settings.tokenizer_path or runner.model_path).resolve())
-        self.weight_groups: dict[str, Any] = {}  # group name -> the learner's process group
+        self.weight_group: WeightGroup | None = None  # the learner's group: one at most
         self._receiving = asyncio.Lock()  # one broadcast bucket at a time
-        self._joining = asyncio.Lock()  # one group being joined at a time
+        self._starting = asyncio.Lock()  # one join started at a time
+        self._join: Joining | None = None  # the latest join (its thread may still run)
 
     @classmethod
     def load(cls, settings: EngineSettings, metrics: Metrics) -> Engine:
@@ -222,53 +232,99 @@ class Engine:
     async def init_weights_update_group(
         self, req: InitWeightsUpdateGroupRequest
     ) -> UpdateWeightsResponse:
-        """Join the learner's weight-update group (blocks until every rank has joined)."""
-        if req.group_name in self.weight_groups:
-            return _failed(f"Failed to initialize custom process group: {req.group_name} exists.")
-        if self._joining.locked():  # a join blocks a thread until its peers come or time out
-            return _failed("Failed to initialize custom process group: another group is being joined.")
+        """Join the learner's weight-update group (blocks until every rank has joined).
+
+        The join answers within ``weight_sync_timeout_s`` whatever the learner's end does
+        (a port that refuses, a store that never answers). A newer join replaces one in
+        progress at once (that one answers that it was replaced); once joined, the new
+        group replaces the engine's group, if any: an engine is in one group at most."""
         if req.rank_offset >= req.world_size:
             return _failed(
                 f"Failed to initialize custom process group: rank {req.rank_offset} is "
                 f"outside a world of {req.world_size}."
             )
+        async with self._starting:
+            previous = self._join
+            if previous is not None and previous.alive:
+                previous.cancel(f"replaced by a newer join ({req.group_name})")
+                if not await previous.ended(JOIN_GRACE_S):
+                    return _failed(
+                        "Failed to initialize custom process group: the join it replaces "
+                        f"has not ended after {JOIN_GRACE_S:g}s; try again."
+                    )
+            joining = Joining(
+                req.master_address, req.master_port, req.rank_offset, req.world_size,
+                req.group_name, req.backend, self.settings.weight_sync_timeout_s,
+            )  # fmt: skip
+            self._join = joining
         try:
-            async with self._joining:
-                group = await asyncio.to_thread(
-                    join_group, req.master_address, req.master_port, req.rank_offset,
-                    req.world_size, req.group_name, req.backend, self.settings.weight_sync_timeout_s,
-                )  # fmt: skip
-        except (ValueError, RuntimeError, OSError) as exc:  # torch's DistError is a RuntimeError
+            group = await joining.wait()
+        except (JoinCancelled, TimeoutError, ValueError, RuntimeError, OSError) as exc:
+            # torch's DistError is a RuntimeError
             log.warning("joining weight-update group %s failed: %s", req.group_name, exc)
             return _failed(f"Failed to initialize custom process group: {str(exc)[:300]}.")
-        self.weight_groups[req.group_name] = group
+        replaced, self.weight_group = self.weight_group, group
+        if replaced is not None:
+            log.info("weight-update group %s left for %s", replaced.name, group.name)
         log.info(
             "joined weight-update group %s at %s:%d as rank %d of %d (%s)", req.group_name,
             req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
         )  # fmt: skip
         return UpdateWeightsResponse(success=True, message="Succeeded to initialize custom process group.")
 
+    def _group(self, name: str) -> WeightGroup | None:
+        group = self.weight_group
+        return group if group is not None and group.name == name else None
+
+    def _leave(self, group: WeightGroup) -> None:
+        """Leave ``group`` (if it is still this engine's): its connections close, so a
+        learner still sending in it fails at once, and no later receive can be paired
+        with a send this engine did not receive."""
+        if self.weight_group is group:
+            self.weight_group = None
+
     async def update_weights_from_distributed(
         self, req: UpdateWeightsFromDistributedRequest
     ) -> UpdateWeightsResponse:
         """Receive one bucket the learner broadcasts and load it between steps (SGLang: the
-        update waits for running requests unless paused or ``abort_all_requests``)."""
-        group = self.weight_groups.get(req.group_name)
+        update waits for running requests unless paused or ``abort_all_requests``).
+
+        Before the receive is posted, the bucket must fit the model and match what the
+        learner announced in the group's store (its bytes, a digest of the request): a
+        bucket refused then, or one whose receive fails, makes the engine leave the group
+        (the learner makes a new one); the weights are unchanged."""
+        group = self._group(req.group_name)
         if group is None:
+            held = [] if self.weight_group is None else [self.weight_group.name]
             return _failed(
-                f"Group {req.group_name} not in {sorted(self.weight_groups)}. "
+                f"Group {req.group_name} not in {held}. "
                 "Please call `init_weights_update_group` first."
             )
-        try:  # checked before receiving: nothing unknown is allocated
-            dtypes = self.runner.bucket_dtypes(req.names, req.dtypes, req.shapes)
-        except WeightsError as exc:
-            return _failed(f"Failed to update weights: {exc}")
         flattened = req.load_format == FLATTENED
         async with self._receiving:
+            if self._group(req.group_name) is not group:
+                return _failed(f"Group {req.group_name} was left or replaced.")
+            try:  # checked before receiving: nothing unknown is allocated
+                dtypes = self.runner.bucket_dtypes(req.names, req.dtypes, req.shapes)
+                size = bucket_bytes(dtypes, req.shapes)
+                await asyncio.to_thread(
+                    check_bucket, group, req.names, req.dtypes, req.shapes, req.load_format,
+                    size, min(2.0, self.settings.weight_sync_timeout_s),
+                )  # fmt: skip
+            except (WeightsError, BucketMismatch) as exc:
+                self._leave(group)
+                log.warning("broadcast bucket refused, group %s left: %s", group.name, exc)
+                return _failed(f"Failed to update weights: {exc} (group {group.name} left)")
             try:
                 state = await asyncio.to_thread(
                     self.runner.receive_bucket, group, req.names, dtypes, req.shapes, flattened
                 )
+            except (WeightsError, RuntimeError) as exc:  # gloo's errors are RuntimeErrors
+                if not isinstance(exc, WeightsError):  # received, but not finite: in step
+                    self._leave(group)
+                log.warning("broadcast weight update refused: %s", exc)
+                return _failed(f"Failed to update weights: {exc}")
+            try:
                 future = self.runtime.update_weights(
                     state, None, req.weight_version, req.abort_all_requests
                 )
@@ -285,8 +341,10 @@ class Engine:
     async def destroy_weights_update_group(
         self, req: DestroyWeightsUpdateGroupRequest
     ) -> UpdateWeightsResponse:
-        if self.weight_groups.pop(req.group_name, None) is None:
+        group = self._group(req.group_name)
+        if group is None:
             return _failed("The group to be destroyed does not exist.")
+        self._leave(group)
         return UpdateWeightsResponse(success=True, message="Succeeded to destroy custom process group.")
 
     async def pause(self, mode: str) -> None:

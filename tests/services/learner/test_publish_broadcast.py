@@ -5,17 +5,23 @@ broadcast get the same version from disk; every engine ends on one whole version
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
 from mempo.keys import Keys
+from mempo.procs import free_port
 from mempo.queue import EngineInfo, RedisQueue
 from mempo.weights import write_safetensors
+from services.learner.broadcast import WeightBroadcaster
 from services.learner.publish import WeightPublisher
 from services.rollout.engine.inprocess import EngineThread
 from tests.services.learner.service_support import StandInEngine, serving
@@ -90,3 +96,71 @@ async def test_a_broadcast_publish_reaches_the_engines_and_the_rest_load_from_di
         assert loaded.status_code == 200, loaded.text
     assert generate(urls[1], PROMPT)["output_ids"] == broadcast_ids  # what the disk holds
     assert not httpx.get(f"{urls[0]}/server_info").json()["paused"]  # resumed after
+
+
+async def test_the_weight_group_store_listens_on_weight_sync_address_only(
+    tiny_model_dir: Path, engines: tuple[list[str], Path]
+) -> None:
+    """The learner's store (and so its weight group) accepts connections on
+    ``master_address`` only, not on every interface."""
+    psutil = pytest.importorskip("psutil")
+    urls, _ = engines
+    port = free_port()  # MEMPO_LEARNER_WEIGHT_SYNC_PORT
+    async with httpx.AsyncClient(timeout=60) as http:
+        broadcaster = WeightBroadcaster(http, lambda _: ADMIN, master_address="127.0.0.1", port=port, timeout_s=30)
+        try:
+            errors = await broadcaster.push(TensorExporter(tiny_model_dir, seed=3).export_tensors(), 3, urls)
+            assert errors == dict.fromkeys(urls), errors
+            listening = [  # the group stays for the next push
+                c.laddr for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+            ]  # fmt: skip
+            assert [address.ip for address in listening] == ["127.0.0.1"], listening
+        finally:
+            await broadcaster.close()
+
+
+def refusing_engine() -> FastAPI:
+    """An engine that can be paused but refuses every weight group."""
+    app = FastAPI()
+
+    @app.post("/pause_generation")
+    @app.post("/continue_generation")
+    async def control() -> dict[str, Any]:
+        return {"success": True, "message": "ok"}
+
+    @app.post("/init_weights_update_group")
+    @app.post("/destroy_weights_update_group")
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"success": False, "message": "no group here"}, 400)
+
+    return app
+
+
+async def test_an_engine_that_cannot_join_does_not_hold_the_push(
+    tiny_model_dir: Path, engines: tuple[list[str], Path]
+) -> None:
+    """The learner gives its group up at the first engine that cannot join, instead of
+    waiting the whole timeout for it; the push reports it (the publisher then brings the
+    engines the version from disk)."""
+    urls, _ = engines
+    with serving([refusing_engine()]) as (refuser,):
+        async with httpx.AsyncClient(timeout=60) as http:
+            broadcaster = WeightBroadcaster(http, lambda _: ADMIN, timeout_s=30)
+            started = time.monotonic()
+            try:
+                errors = await broadcaster.push(TensorExporter(tiny_model_dir, seed=4).export_tensors(), 4, [*urls, refuser])
+            finally:
+                await broadcaster.close()
+            assert time.monotonic() - started < 10, errors
+    assert errors[refuser] and "no group here" in errors[refuser], errors
+    assert all(errors[u] for u in urls), errors  # none got the version by broadcast
+    assert {version(u) for u in urls} != {"4"}
+    async with httpx.AsyncClient(timeout=60) as http:  # and they take the next group
+        broadcaster = WeightBroadcaster(http, lambda _: ADMIN, timeout_s=30)
+        try:
+            errors = await broadcaster.push(TensorExporter(tiny_model_dir, seed=5).export_tensors(), 5, urls)
+        finally:
+            await broadcaster.close()
+    assert errors == dict.fromkeys(urls), errors
+    assert [version(u) for u in urls] == ["5", "5"]
