@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import httpx
 import torch
+from redis.exceptions import RedisError
 
 from mempo.clients.engine import EngineClient, EngineError
 from mempo.files import atomic_dir
@@ -124,8 +125,33 @@ class WeightPublisher:
     async def aclose(self) -> None:
         await self.settled()
         if self.broadcaster is not None:
+            await self.restore_held()
             await self.broadcaster.close()
         await self.http.aclose()
+
+    async def restore_held(self) -> None:
+        """Engines that a broadcast left paused on part of a version (the learner stopped,
+        or a publish failed, before the disk path brought them the whole of one) load the
+        last published version from disk (the base model before any), then resume: a
+        stopping learner never leaves an engine paused until the next learner publishes."""
+        assert self.broadcaster is not None
+        if not self.broadcaster.held:
+            return
+        try:
+            policy = await self.queue.get_policy()
+        except (RedisError, ValueError) as exc:
+            policy = None
+            log.warning("paused engines resumed on what they hold: the policy pointer cannot be read (%s)", exc)
+        target = (policy.path, str(policy.version)) if policy else (str(self.protected), "0") if self.protected else None
+        held = sorted(self.broadcaster.held)
+        if target is not None:
+            results = await asyncio.gather(
+                *(self._update(url, self.token_for("rollout"), Path(target[0]), int(target[1])) for url in held)
+            )
+            for url, (error, _) in zip(held, results, strict=True):
+                if error:
+                    log.warning("%s keeps part of a broadcast version: %s", url, error)
+        await self.broadcaster.resume()
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version}"

@@ -164,3 +164,29 @@ async def test_an_engine_that_cannot_join_does_not_hold_the_push(
             await broadcaster.close()
     assert errors == dict.fromkeys(urls), errors
     assert [version(u) for u in urls] == ["5", "5"]
+
+
+async def test_a_stopping_learner_resumes_engines_a_broadcast_left_paused_on_the_published_version(
+    redis_client: object, keys: Keys, tiny_model_dir: Path, engines: tuple[list[str], Path]
+) -> None:
+    """A learner stopped in the middle of a broadcast once left its engines paused (on part
+    of a version) until a learner published again."""
+    urls, root = engines
+    queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
+    await queue.register_engine(EngineInfo(id="engine-0", role="rollout", url=urls[0]).signed(ADMIN))
+    publisher = WeightPublisher(queue, root, admin_token=ADMIN, timeout_s=30, broadcast=True)
+    try:
+        await publisher.publish(TensorExporter(tiny_model_dir, seed=5), version=5)
+        published = generate(urls[0], PROMPT)["output_ids"]
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}) as http:
+            shutil.copytree(tiny_model_dir, root / "part", dirs_exist_ok=True)  # stands in for half a version
+            body = {"model_path": str(root / "part"), "weight_version": "5-part"}
+            assert (await http.post(f"{urls[0]}/update_weights_from_disk", json=body)).status_code == 200
+            assert (await http.post(f"{urls[0]}/pause_generation", json={"mode": "retract"})).status_code == 200
+        assert httpx.get(f"{urls[0]}/server_info").json()["paused"]
+        assert publisher.broadcaster is not None
+        publisher.broadcaster.held = {urls[0]}  # what an interrupted push leaves
+    finally:
+        await publisher.aclose()
+    assert not httpx.get(f"{urls[0]}/server_info").json()["paused"]
+    assert version(urls[0]) == "5" and generate(urls[0], PROMPT)["output_ids"] == published
