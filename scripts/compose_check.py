@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -117,6 +118,9 @@ class Stack:
         """(task entry id, consumer) of every task claimed and not yet done: XPENDING's
         rows are (id, consumer, idle ms, deliveries)."""
         return [(row[0], row[1]) for row in _rows(self.redis("XPENDING", "mempo:tasks", "rollout", "-", "+", "100"), 4)]
+
+    def registered(self, engine_id: str) -> bool:
+        return engine_id in self.engines()
 
     def rollout_containers(self) -> list[str]:
         return self.compose("ps", "-q", "rollout", capture=True).split()
@@ -230,7 +234,12 @@ def run(stack: Stack, steps: int, report: dict[str, Any]) -> None:
         # the task must still be the dead replica's: one it acked before the kill landed proves nothing
         if (entry, consumer) in stack.pending():
             break
-        log(f"{consumer} finished task {entry} before the kill landed; another one")
+        # Start it again before the next try (docker does not restart a container it was
+        # told to kill): two kills would leave no replica to redo the task, and the check
+        # would wait for a task nobody can run (how it failed on a loaded machine).
+        log(f"{consumer} finished task {entry} before the kill landed; restarting it, then another try")
+        subprocess.run(["docker", "start", containers[consumer]], check=True, capture_output=True)
+        wait_for(f"{consumer} back in the registry", functools.partial(stack.registered, consumer), timeout=300, every=2)
     else:
         raise CheckFailed("no replica could be killed while it held a task")
     log(f"killed {consumer} holding task {entry}; waiting until the task is done")
