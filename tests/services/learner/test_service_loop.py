@@ -266,6 +266,30 @@ async def test_a_nan_reward_never_reaches_the_published_policy(
         await loop.aclose()
 
 
+@pytest.mark.parametrize("cap", [0, 100])
+async def test_a_round_longer_than_max_sequence_tokens_is_dead_lettered_unseen_by_the_trainer(
+    redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue, cap: int
+) -> None:
+    """A group with a 16,000-id prompt once trained (1.46 GB, 25 s a step; memory grows
+    with the square of the length). 0: the model's context (8192 for the tiny model)."""
+    settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir, batch_groups=1, max_sequence_tokens=cap)
+    loop = await LearnerLoop.open(settings, queue)
+    try:
+        long_prompt = 16_000 if cap == 0 else 90  # over the cap with its 16 response tokens
+        await queue.publish_group(make_group(Task(group_id="long", questions=["q?"], answers=[["a"]], n=2),
+                                             prompt_len=long_prompt))  # fmt: skip
+        await queue.publish_group(make_group(Task(group_id="fits", questions=["q?"], answers=[["a"]], n=2),
+                                             prompt_len=40))  # fmt: skip
+        record = await loop.training_step()
+        assert record is not None and loop.trainer.step == 1  # trained on "fits" only
+        (dead,) = await queue.dead_letters()
+        assert '"group_id":"long"' in dead["data"]  # (16,000 ids: kept as a 256 KiB preview)
+        limit = 8192 if cap == 0 else cap
+        assert f"{long_prompt + 16} tokens, over the learner's max_sequence_tokens of {limit}" in dead["reason"]
+    finally:
+        await loop.aclose()
+
+
 async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_on(
     redis_url: str,
     keys: Keys,
