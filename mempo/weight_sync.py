@@ -36,18 +36,19 @@ import hashlib
 import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mempo.tcp_sockets import is_ip, shutdown_connections, socket_inodes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ BUCKET_KEY = "mempo/bucket"  # + "/<index>": the learner's announcement of a buc
 CONNECT_STEP_S = 2.0  # one try of torch's store client, which cannot be stopped in a try
 REAP_PERIOD_S = 0.05
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 Group = Any  # a c10d backend: ProcessGroupGloo or ProcessGroupNCCL (no common stub type)
 
 
@@ -114,7 +114,7 @@ def join_group(
             with contextlib.suppress(OSError):
                 infos = socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)
                 peers.update(str(info[4][0]) for info in infos)
-        if listen is not None and _is_ip(host := str(listen.getsockname()[0])):
+        if listen is not None and is_ip(host := str(listen.getsockname()[0])):
             unspecified = ipaddress.ip_address(host.split("%")[0]).is_unspecified
             device_host = "" if unspecified else host  # 0.0.0.0: gloo's default device
         store = dist.TCPStore(
@@ -220,7 +220,7 @@ class Joining:
         self._done = threading.Event()
         self._result: WeightGroup | BaseException | None = None
         self._lock = threading.Lock()
-        self._before = _socket_inodes()  # not this join's
+        self._before = socket_inodes()  # not this join's
         self._thread = threading.Thread(
             target=self._run, name=f"weight-join-{group_name[:32]}", daemon=True
         )
@@ -381,138 +381,3 @@ def check_bucket(
             f"bucket {index}: the names, dtypes, shapes or format differ from what the "
             "learner announced"
         )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {name!r} is not a torch dtype")
-    return dtype
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[NamedTensors]:
-    """Consecutive runs of ``named`` of at most ``bucket_bytes`` each (a larger tensor alone)."""
-    out: list[NamedTensors] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not out or (out[-1] and size + nbytes > bucket_bytes):
-            out.append([])
-            size = 0
-        out[-1].append((name, tensor))
-        size += nbytes
-    return out
-
-
-def flatten(named: NamedTensors) -> torch.Tensor:
-    """The bucket's bytes as one uint8 tensor, in order."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
-
-
-def empty_bucket(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
-    """A zeroed uint8 buffer that receives a flattened bucket of these tensors (zeroed: a
-    sender that sends fewer bytes leaves zeros, never the memory the buffer held)."""
-    return torch.zeros(bucket_bytes(dtypes, shapes), dtype=torch.uint8)
-
-
-def unflatten(
-    buffer: torch.Tensor,
-    names: Sequence[str],
-    dtypes: Sequence[torch.dtype],
-    shapes: Sequence[Sequence[int]],
-) -> dict[str, torch.Tensor]:
-    """The tensors of a flattened bucket, viewing ``buffer`` (no copy)."""
-    if buffer.numel() != bucket_bytes(dtypes, shapes):
-        raise ValueError(f"a bucket of {buffer.numel()} bytes does not hold these tensors")
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        size = math.prod(shape) * dtype.itemsize
-        if offset % dtype.itemsize:  # views need aligned elements (SGLang refuses it too)
-            raise ValueError(f"{name}: byte offset {offset} is not aligned for {dtype}")
-        out[name] = buffer[offset : offset + size].view(dtype).reshape(list(shape))
-        offset += size
-    return out
-
-
-def bucket_bytes(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> int:
-    """The bytes of a bucket of tensors of these dtypes and shapes."""
-    return sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes, strict=True))
-
-
-# This process's TCP connections, from /proc (Linux; elsewhere none are found).
-
-
-def _socket_inodes() -> dict[int, int]:
-    """Socket inode -> a file descriptor of it, of this process."""
-    out: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                target = os.readlink(f"/proc/self/fd/{name}")
-                if target.startswith("socket:["):
-                    out[int(target[8:-1])] = int(name)
-    return out
-
-
-def _proc_address(text: str) -> tuple[str, int]:
-    host, port = text.split(":")
-    raw = bytes.fromhex(host)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
-    address = ipaddress.ip_address(words)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return str(address), int(port, 16)
-
-
-def tcp_connections() -> Iterator[tuple[int, tuple[str, int], tuple[str, int], int]]:
-    """(inode, local address, remote address, state) of the TCP sockets of this network
-    namespace (state 10: listening)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as file:
-                rows = file.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            try:
-                local, remote = _proc_address(fields[1]), _proc_address(fields[2])
-                inode, state = int(fields[9]), int(fields[3], 16)
-            except (ValueError, IndexError):
-                continue
-            yield inode, local, remote, state
-
-
-def shutdown_connections(hosts: set[str], port: int, spare: Iterable[int] = ()) -> int:
-    """Shut down this process's TCP connections to ``port`` on one of ``hosts``, except
-    the sockets of inodes ``spare``: a thread blocked on one returns; how many."""
-    hosts = {str(ipaddress.ip_address(h.split("%")[0])) for h in hosts if _is_ip(h)}
-    spared = set(spare)
-    mine = _socket_inodes()
-    count = 0
-    for inode, _, (host, remote_port), _ in list(tcp_connections()):
-        if remote_port != port or host not in hosts or inode in spared or inode not in mine:
-            continue
-        with contextlib.suppress(OSError):
-            fd = os.dup(mine[inode])
-            try:
-                if os.fstat(fd).st_ino == inode:  # still that socket (not a reused number)
-                    with socket.socket(fileno=os.dup(fd)) as sock:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-            finally:
-                os.close(fd)
-    return count
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    return True

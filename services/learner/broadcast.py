@@ -38,6 +38,7 @@ import torch
 
 from mempo.api.engine import UpdateWeightsResponse
 from mempo.clients.engine import EngineClient, EngineError
+from mempo.weight_buckets import buckets, dtype_name, flatten
 from mempo.weight_sync import (
     FLATTENED,
     JoinCancelled,
@@ -45,9 +46,6 @@ from mempo.weight_sync import (
     WeightGroup,
     announce_bucket,
     broadcast,
-    buckets,
-    dtype_name,
-    flatten,
     listen_socket,
 )
 

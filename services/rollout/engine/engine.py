@@ -33,13 +33,13 @@ from mempo.api.engine import (
 from mempo.metrics import Metrics
 from mempo.service import Forbidden, NotReady, inside_root, require_weights_root
 from mempo.settings import quiet_hub
+from mempo.weight_buckets import bucket_bytes
 from mempo.weight_sync import (
     FLATTENED,
     BucketMismatch,
     JoinCancelled,
     Joining,
     WeightGroup,
-    bucket_bytes,
     check_bucket,
 )
 from services.rollout.engine.model import ModelRunner, WeightsError, WeightsRootError

@@ -15,7 +15,8 @@ import torch
 
 from mempo.model_weights import assign_weights, own_tensors
 from mempo.service import without_root
-from mempo.weight_sync import broadcast, empty_bucket, parse_dtype, unflatten
+from mempo.weight_buckets import empty_bucket, parse_dtype, unflatten
+from mempo.weight_sync import broadcast
 from mempo.weights import WeightsOutsideRoot, check_finite, load_checked
 
 log = logging.getLogger(__name__)

@@ -29,14 +29,12 @@ from safetensors.torch import load_file
 
 from mempo.clients.engine import EngineClient, EngineError
 from mempo.procs import free_port, wait_ready
+from mempo.weight_buckets import buckets, dtype_name, flatten
 from mempo.weight_sync import (
     FLATTENED,
     WeightGroup,
     announce_bucket,
     broadcast,
-    buckets,
-    dtype_name,
-    flatten,
     join_group,
     listen_socket,
 )
