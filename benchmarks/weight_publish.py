@@ -48,7 +48,8 @@ import torch
 
 from mempo.keys import Keys
 from mempo.procs import RedisServer, free_port, wait_ready
-from mempo.queue import EngineInfo, RedisQueue, connect
+from mempo.queue import RedisQueue, connect
+from mempo.registry import EngineInfo
 from mempo_sim.tiny import PRESETS, TinyConfig, default_cache_dir, ensure_tiny
 
 TOKEN = secrets.token_hex(16)  # the services refuse short or placeholder admin secrets

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.retry import Backoff
 
 log = logging.getLogger(__name__)

@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mempo.arrays import dump_with_sidecar, load_with_sidecar
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
+from mempo.registry import EngineInfo, PolicyPointer
 from mempo.schemas import Group, Task
 
 # What an unreachable Redis raises: retried by every service, never fatal.
@@ -46,45 +45,6 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", Task, Group)
 DEAD_STREAM_MAXLEN = 100_000
 DEAD_PAYLOAD_BYTES = 256 * 1024  # a dead record's payload kept whole up to this size
-
-
-class EngineInfo(BaseModel):
-    """A registry entry: an engine (or the scorer) that receives weight updates."""
-
-    id: str
-    role: Literal["rollout", "scorer", "engine"] = "rollout"
-    url: str = Field(description="base URL of the engine's SGLang-compatible API")
-    weight_version: str = "0"
-    started_at: float = Field(default_factory=time.time)
-    worker_url: str | None = Field(default=None, description="the rollout worker's own URL, if any")
-    proof: str | None = Field(
-        default=None,
-        description="HMAC-SHA256 of [id, role, url, worker_url] keyed with the role's admin token "
-        "(registration_proof): the learner sends its token and weights only to an entry that proves it",
-    )
-
-    def signed(self, token: str | None) -> EngineInfo:
-        """This entry with its proof (unchanged without a token: nothing to prove)."""
-        return self.model_copy(update={"proof": registration_proof(self, token)}) if token else self
-
-    def proven(self, token: str) -> bool:
-        """The entry was written by a holder of ``token``."""
-        return self.proof is not None and hmac.compare_digest(self.proof, registration_proof(self, token))
-
-
-def registration_proof(info: EngineInfo, token: str) -> str:
-    """What an entry's ``proof`` must be: whoever can write Redis but does not hold the
-    role's admin token cannot point the learner at a URL of its own."""
-    message = json.dumps([info.id, info.role, info.url, info.worker_url]).encode()
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
-
-
-class PolicyPointer(BaseModel):
-    """The current policy: HF-format weights at ``path``."""
-
-    version: int
-    path: str
-    updated_at: float = Field(default_factory=time.time)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@
    an update, loads it before it takes work.
 3. Every other live registration gets ``POST /update_weights_from_disk`` in parallel, with a
    timeout and the admin token of its role, if it proves it holds that token (an HMAC
-   of the entry, ``mempo.queue.registration_proof``; an unproven entry gets nothing): a rollout replica at its worker's URL (the
-   worker forwards to its engine, which is not reachable from outside the replica), the
-   scorer at its own. One that fails is reported stale and catches up from the pointer;
+   of the entry, ``mempo.registry.registration_proof``; an unproven entry gets nothing):
+   a rollout replica at its worker's URL (the worker forwards to its engine, which is not
+   reachable from outside the replica), the scorer at its own. One that fails is reported stale and catches up from the pointer;
    the publish still succeeds for the others.
 4. Versions no longer in use are deleted: older than the last ``keep_versions``, and
    not the version a stale engine still serves.
@@ -39,7 +39,8 @@ from redis.exceptions import RedisError
 
 from mempo.clients.engine import EngineClient, EngineError
 from mempo.files import atomic_dir
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.schemas import parse_weight_version
 from mempo.weights import check_finite, is_sealed, map_safetensors, non_finite, seal
 from mempo_sim.tiny import make_world_readable

@@ -31,7 +31,8 @@ from mempo.api.rollout import WorkerStatus
 from mempo.clients.engine import EngineError
 from mempo.membership import Membership
 from mempo.queue import REDIS_ERRORS as QUEUE_REDIS_ERRORS
-from mempo.queue import Delivery, EngineInfo, RedisQueue, redis_problem
+from mempo.queue import Delivery, RedisQueue, redis_problem
+from mempo.registry import EngineInfo
 from mempo.retry import Backoff, cancel_and_wait, retry_async
 from mempo.schemas import Group, Task, parse_weight_version
 from services.rollout.episode import EpisodeConfig, EpisodeRunner

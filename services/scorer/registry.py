@@ -15,7 +15,8 @@ import socket
 import time
 
 from mempo.membership import Membership
-from mempo.queue import EngineInfo, PolicyPointer, RedisQueue, connect
+from mempo.queue import RedisQueue, connect
+from mempo.registry import EngineInfo, PolicyPointer
 from mempo.schemas import parse_weight_version
 from mempo.service import inside_root
 from services.scorer.scorer import ScorerService

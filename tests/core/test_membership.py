@@ -8,7 +8,8 @@ import asyncio
 from mempo.keys import Keys
 from mempo.membership import Membership
 from mempo.procs import free_port
-from mempo.queue import EngineInfo, RedisQueue, connect
+from mempo.queue import RedisQueue, connect
+from mempo.registry import EngineInfo
 
 
 async def test_beats_register_with_a_ttl_run_the_hook_and_leave(redis_url: str, keys: Keys) -> None:

@@ -10,7 +10,8 @@ import pytest
 from redis.exceptions import RedisError
 
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.retry import cancel_and_wait
 from mempo.schemas import Task
 from tests.core.test_schemas import make_group

@@ -16,7 +16,8 @@ from redis.exceptions import NoPermissionError
 
 from mempo.keys import Keys
 from mempo.procs import free_port
-from mempo.queue import EngineInfo, RedisQueue, connect
+from mempo.queue import RedisQueue, connect
+from mempo.registry import EngineInfo
 from mempo.schemas import Task
 from tests.core.test_schemas import make_group
 

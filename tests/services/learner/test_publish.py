@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from mempo import weights
 from mempo.keys import Keys
 from mempo.procs import free_port
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.weights import NonFiniteWeights, map_safetensors
 from mempo_sim.tiny import make_world_readable
 from services.learner import publish

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from mempo.keys import Keys
 from mempo.procs import free_port
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.weights import write_safetensors
 from services.learner.broadcast import WeightBroadcaster
 from services.learner.publish import WeightPublisher

@@ -8,7 +8,8 @@ import httpx
 import torch
 
 from mempo.keys import Keys
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from services.learner.publish import WeightPublisher
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig

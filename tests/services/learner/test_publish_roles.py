@@ -11,7 +11,8 @@ from typing import Literal
 import pytest
 
 from mempo.keys import Keys
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from services.learner.publish import WeightPublisher
 from tests.services.learner.service_support import StandInEngine, serving
 from tests.services.learner.test_publish import CopyExporter

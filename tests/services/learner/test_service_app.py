@@ -16,7 +16,8 @@ import pytest
 from mempo.api.learner import LearnerStatus
 from mempo.keys import Keys
 from mempo.procs import RedisServer, free_port
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from services.learner.app import create_app
 from services.learner.settings import LearnerSettings
 from tests.services.learner.service_support import StandInEngine, serving

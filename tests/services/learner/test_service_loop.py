@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mempo.keys import Keys
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from mempo.schemas import Group, Task
 from mempo.weights import map_safetensors, non_finite
 from services.learner import loop as learner_loop

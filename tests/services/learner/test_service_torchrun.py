@@ -15,7 +15,8 @@ import pytest
 
 from mempo.keys import Keys
 from mempo.procs import free_port, wait_ready
-from mempo.queue import EngineInfo, RedisQueue
+from mempo.queue import RedisQueue
+from mempo.registry import EngineInfo
 from tests.services.learner.service_support import StandInEngine, serving
 from tests.services.learner.test_service_loop import roll_out
 

@@ -63,7 +63,7 @@ async def test_heartbeat_registers_and_catches_up(
 
 
 def test_version_comparison() -> None:
-    from mempo.queue import PolicyPointer
+    from mempo.registry import PolicyPointer
 
     pointer = PolicyPointer(version=3, path="/w/v3")
     assert is_newer(pointer, "2") and is_newer(pointer, "v2") and is_newer(pointer, "default")
