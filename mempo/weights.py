@@ -1,20 +1,14 @@
 """safetensors without extra copies: reading, and writing straight from tensors.
 
-``read_safetensors`` reads each tensor's bytes straight into a tensor of its own (one
-copy, from the page cache when the learner has just written the file): what a service
-serves never aliases a file, so rewriting a loaded file in place (``rsync --inplace``, a
-restore) or truncating it changes nothing served and cannot kill the process (a mapping
-of a truncated file raises SIGBUS). ``map_safetensors`` maps each file privately
-(copy-on-write) and returns tensors that view the mapping, zero-copy: only for a look at
-files that are not served afterwards (the learner's check of its own export).
-
-``write_safetensors`` streams each tensor's bytes from its own memory into the file
-(safetensors' ``save_file`` first builds the whole file in memory): one copy per publish;
-with ``finite`` it checks the tensors for NaN / inf on a second thread meanwhile.
-
-Format: 8-byte little-endian header length N, N bytes of JSON
-``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
-then the data, offsets relative to its start.
+``read_safetensors`` reads each tensor's bytes into a tensor of its own (one copy): what
+a service serves never aliases a file, so a loaded file rewritten in place or truncated
+changes nothing served and cannot kill the process (SIGBUS). ``map_safetensors`` returns
+views of a private mapping, zero-copy: only for files not served afterwards (the
+learner's check of its own export). ``write_safetensors`` streams each tensor's bytes
+into the file (``save_file`` first builds the whole file in memory); with ``finite`` it
+checks them for NaN / inf on a second thread meanwhile. Format: 8-byte little-endian
+header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin,
+end]}, "__metadata__": {...}}``, then the data, offsets relative to its start.
 
 Whatever arrives over ``/update_weights_from_disk`` passes through here (the CPU engine
 and the scorer), so the reader trusts nothing: every file must be a regular file that
