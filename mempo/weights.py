@@ -17,9 +17,8 @@ actually opened), the header must be exactly the format above (anything else is 
 ``WeightsFormatError``, which services answer with 400), and ``check_weights`` holds a
 state against the model's own: no missing, unexpected or reshaped tensor, no NaN / inf.
 ``load_checked`` is both, on tensors read (not mapped); it skips the NaN / inf scan of
-files the learner sealed after its own check (``seal``), when they are still exactly the
-files it sealed, from their opening until their last byte was read.
-Checked tensors go into a live model with mempo.model_weights.
+files the learner sealed after its own check (``seal``) while they are exactly the files
+it sealed, from opening to last byte. mempo.model_weights puts them into a live model.
 """
 
 from __future__ import annotations
