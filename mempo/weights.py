@@ -145,16 +145,18 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _entries(handle: Any, path: Path) -> tuple[os.stat_result, int, dict[str, tuple[torch.dtype, list[int], int, int]]]:
+    """The opened file's stat, where its data starts, and each tensor's checked entry."""
+    opened = os.fstat(handle.fileno())
+    header, start = _read_header(handle, path, opened.st_size)
+    entries = {name: _entry(name, spec, opened.st_size - start, path) for name, spec in header.items() if name != "__metadata__"}
+    return opened, start, entries
+
+
 def _map_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Every tensor of one safetensors file, zero-copy, and the opened file's identity."""
     with os.fdopen(_open_checked(Path(path), root), "rb") as handle:
-        opened = os.fstat(handle.fileno())
-        header, start = _read_header(handle, path, opened.st_size)
-        entries = {
-            name: _entry(name, spec, opened.st_size - start, path)
-            for name, spec in header.items()
-            if name != "__metadata__"
-        }
+        opened, start, entries = _entries(handle, path)
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     tensors: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, begin, end) in entries.items():
@@ -174,13 +176,7 @@ def _read_file(path: Path, root: Path | None) -> tuple[dict[str, torch.Tensor], 
     identity, None when it changed while being read (no seal matches None). Unbuffered:
     every byte comes from the file between the two identities, straight into its tensor."""
     with os.fdopen(_open_checked(Path(path), root), "rb", buffering=0) as handle:
-        opened = os.fstat(handle.fileno())
-        header, start = _read_header(handle, path, opened.st_size)
-        entries = {
-            name: _entry(name, spec, opened.st_size - start, path)
-            for name, spec in header.items()
-            if name != "__metadata__"
-        }
+        opened, start, entries = _entries(handle, path)
         tensors: dict[str, torch.Tensor] = {}  # read in file order: one pass over it
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda e: e[1][2]):
             if end == begin:
