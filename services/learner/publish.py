@@ -143,12 +143,11 @@ class WeightPublisher:
         except (RedisError, ValueError) as exc:
             policy = None
             log.warning("paused engines resumed on what they hold: the policy pointer cannot be read (%s)", exc)
-        target = (policy.path, str(policy.version)) if policy else (str(self.protected), "0") if self.protected else None
+        target = (Path(policy.path), policy.version) if policy else (self.protected, 0) if self.protected else None
         held = sorted(self.broadcaster.held)
         if target is not None:
-            results = await asyncio.gather(
-                *(self._update(url, self.token_for("rollout"), Path(target[0]), int(target[1])) for url in held)
-            )
+            token = self.token_for("rollout")
+            results = await asyncio.gather(*(self._update(url, token, *target) for url in held))
             for url, (error, _) in zip(held, results, strict=True):
                 if error:
                     log.warning("%s keeps part of a broadcast version: %s", url, error)
