@@ -23,6 +23,11 @@ from tests.services.learner.service_support import make_group
 from tests.services.learner.test_service_loop import learner_settings, parameters
 
 
+async def publish(queue: RedisQueue, group_id: str, n: int = 2, **group: Any) -> None:
+    """A one-question group of ``n`` trajectories (make_group's options in ``group``)."""
+    await queue.publish_group(make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=n), **group))
+
+
 @pytest.mark.parametrize("cap", [0, 100])
 async def test_a_round_longer_than_max_sequence_tokens_is_dead_lettered_unseen_by_the_trainer(
     redis_url: str, keys: Keys, tmp_path: Path, tiny_model_dir: Path, queue: RedisQueue, cap: int
@@ -33,10 +38,8 @@ async def test_a_round_longer_than_max_sequence_tokens_is_dead_lettered_unseen_b
     loop = await LearnerLoop.open(settings, queue)
     try:
         long_prompt = 16_000 if cap == 0 else 90  # over the cap with its 16 response tokens
-        await queue.publish_group(make_group(Task(group_id="long", questions=["q?"], answers=[["a"]], n=2),
-                                             prompt_len=long_prompt))  # fmt: skip
-        await queue.publish_group(make_group(Task(group_id="fits", questions=["q?"], answers=[["a"]], n=2),
-                                             prompt_len=40))  # fmt: skip
+        await publish(queue, "long", prompt_len=long_prompt)
+        await publish(queue, "fits", prompt_len=40)
         record = await loop.training_step()
         assert record is not None and loop.trainer.step == 1  # trained on "fits" only
         (dead,) = await queue.dead_letters()
@@ -59,9 +62,7 @@ async def test_a_batch_whose_training_raises_is_dead_lettered_and_training_goes_
     loop = await LearnerLoop.open(settings, queue)
     try:
         for group_id in ("bad", "good"):
-            await queue.publish_group(
-                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2))
-            )
+            await publish(queue, group_id)
 
         def picky(trainer: Trainer, groups: list[Group]) -> dict[str, float]:
             if groups[0].group_id == "bad":
@@ -92,9 +93,7 @@ async def test_any_number_of_failing_batches_in_a_row_are_dead_lettered_and_trai
     loop = await LearnerLoop.open(settings, queue)
     try:
         for group_id in [*(f"bad{i}" for i in range(5)), "good"]:
-            await queue.publish_group(
-                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=2))
-            )
+            await publish(queue, group_id)
 
         def explode(trainer: Trainer, groups: list[Group]) -> dict[str, float]:
             if groups[0].group_id.startswith("bad"):
@@ -141,9 +140,7 @@ async def test_a_step_that_fails_half_way_is_undone_and_training_goes_on(
             if group_id == "half":  # on-policy for the version reached
                 for _ in range(trained_before):
                     assert await loop.training_step() is not None
-            await queue.publish_group(
-                make_group(Task(group_id=group_id, questions=["q?"], answers=[["a"]], n=4), loop.trainer.version)
-            )
+            await publish(queue, group_id, n=4, policy_version=loop.trainer.version)
         before = parameters(loop), optimizer_moments(loop), loop.trainer.optimizer_steps
         real_update, calls = learner_step.update, []
 
