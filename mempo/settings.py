@@ -2,28 +2,36 @@
 
 Each service subclasses ``ServiceSettings`` in its own ``settings.py`` with the env
 prefix ``MEMPO_<NAME>_`` (for example ``MEMPO_SCORER_PORT``); every field has a
-docstring, which docs/configuration.md is generated from.
+docstring, which docs/configuration.md is generated from. A process that starts another
+(``mempo up``) builds the child's settings object and hands it over with
+``settings_env``, the inverse of reading it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar, get_args
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mempo.keys import Keys
 
+NONE_TEXT = "null"  # a variable holding this sets an optional setting to None
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(
-        extra="ignore", env_nested_delimiter="__", use_attribute_docstrings=True
+        extra="ignore",
+        env_nested_delimiter="__",
+        env_parse_none_str=NONE_TEXT,
+        use_attribute_docstrings=True,
     )
 
     host: str = "127.0.0.1"
@@ -89,6 +97,62 @@ class RedisSettings(ServiceSettings):
         return self.redis_password.get_secret_value() if self.redis_password else None
 
 
+def with_preset(data: Any, presets: Mapping[str, Mapping[str, Any]]) -> Any:
+    """``data`` (the values a settings class is built from) with the preset it names in
+    ``preset`` filled in under it: a value given anywhere (argument or environment) wins,
+    nested blocks are merged field by field. For a ``model_validator(mode="before")``."""
+    if not isinstance(data, dict) or data.get("preset") in (None, NONE_TEXT):
+        return data
+    name = data["preset"]
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(presets)})")
+    return _under(dict(presets[name]), data)
+
+
+def _under(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in over.items():
+        below = base.get(key)
+        if isinstance(value, BaseModel):
+            value = value.model_dump(exclude_unset=True)
+        base[key] = (
+            _under(dict(below), value)
+            if isinstance(below, Mapping) and isinstance(value, Mapping)
+            else value
+        )
+    return base
+
+
+def settings_env(settings: BaseSettings) -> dict[str, str]:
+    """The environment a child process reads back as ``settings``, the inverse of reading
+    it: one variable per setting (``MEMPO_LEARNER_GROUP_SIZE``), a nested block's fields as
+    ``<PREFIX><BLOCK>__<FIELD>``, secrets in clear (give it to that child only), None as
+    ``null``."""
+    prefix = str(settings.model_config.get("env_prefix", "")).upper()
+    delimiter = str(settings.model_config.get("env_nested_delimiter") or "__")
+    return dict(_variables(settings, prefix, delimiter))
+
+
+def _variables(model: BaseModel, prefix: str, delimiter: str) -> Iterator[tuple[str, str]]:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from _variables(value, f"{prefix}{name.upper()}{delimiter}", delimiter)
+        else:
+            yield f"{prefix}{name.upper()}", _env_text(value)
+
+
+def _env_text(value: Any) -> str:
+    if value is None:
+        return NONE_TEXT
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
 S = TypeVar("S", bound=BaseSettings)
 # A typer command whose options are its settings' (settings_from_args reads ctx.args).
 SETTINGS_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
@@ -108,7 +172,11 @@ def settings_from_args(
     extra = dict(aliases or {})
     params: list[click.Parameter] = [
         click.Option(
-            [name, f"--{name.replace('_', '-')}", *(f"--{a}" for a, to in extra.items() if to == name)],
+            [
+                name,
+                f"--{name.replace('_', '-')}",
+                *(f"--{a}" for a, to in extra.items() if to == name),
+            ],
             help=(field.description or "").split("\n\n")[0] + _default(field.default),
             metavar=_metavar(field.annotation),
         )

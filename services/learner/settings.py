@@ -6,16 +6,43 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from mempo.schemas import Mode
-from mempo.settings import RedisSettings
+from mempo.settings import RedisSettings, with_preset
 from services.learner.trainer_config import TrainerConfig
+
+# Named recipes: a preset's values lie under every value given (option or variable).
+PRESETS: dict[str, dict[str, Any]] = {
+    # What learns on the tiny model (docs/results.md) and ``mempo up`` runs: plain GRPO on
+    # 1-question tasks, 8 groups of 8 rollouts a step, 2 PPO epochs, KL to the start 0.02,
+    # negative advantages scaled by 0.2, 30 steps.
+    "tiny": {
+        "total_steps": 30,
+        "questions_per_task": [1],
+        "group_size": 8,
+        "batch_groups": 8,
+        "max_rounds": 6,
+        "max_staleness": 1,
+        "trainer": {
+            "lr": 3e-4,
+            "warmup_steps": 0,
+            "ppo_epochs": 2,
+            "beta_kl": 0.02,
+            "alpha": 0.0,
+            "neg_adv_scale": 0.2,
+        },
+    },
+}
 
 
 class LearnerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="MEMPO_LEARNER_")
+
+    preset: Literal["tiny"] | None = None
+    """A named recipe under the other settings (each one given wins): tiny is the tiny
+    model's, what ``mempo up`` runs (services/learner/settings.py PRESETS)."""
 
     port: int = Field(default=8004, ge=0, le=65535)
     """TCP port of the status API."""
@@ -125,6 +152,11 @@ class LearnerSettings(RedisSettings):
 
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """The PPO trainer's configuration (services/learner/trainer_config.py)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        return with_preset(data, PRESETS)
 
     @field_validator("questions_per_task", mode="before")
     @classmethod

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from mempo.rewards import RewardKind
-from mempo.settings import RedisSettings
+from mempo.settings import RedisSettings, with_preset
+
+# Named recipes: a preset's values lie under every value given (option or variable).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"max_new_tokens": 256},  # the tiny model's rounds are short (mempo up)
+}
 
 
 def default_worker_id() -> str:
@@ -18,6 +24,10 @@ def default_worker_id() -> str:
 
 class WorkerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="MEMPO_ROLLOUT_")
+
+    preset: Literal["tiny"] | None = None
+    """A named recipe under the other settings (each one given wins): tiny is the tiny
+    model's, what ``mempo up`` runs (services/rollout/settings.py PRESETS)."""
 
     port: int = Field(default=8003, ge=0, le=65535)
     """TCP port of the worker's HTTP API."""
@@ -107,6 +117,11 @@ class WorkerSettings(RedisSettings):
 
     episodes_max_rounds: int = Field(default=64, ge=1)
     """task.max_rounds one POST /v1/episodes may ask for; more: 413."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        return with_preset(data, PRESETS)
 
     def engine_admin_token_value(self) -> str | None:
         return self.engine_admin_token.get_secret_value() if self.engine_admin_token else None
