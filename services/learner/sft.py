@@ -1,12 +1,12 @@
 """SFT warm start: next-token loss on response tokens only, then an HF checkpoint.
 
 MemPO's recipe starts RL from an SFT model. The default data are the synthetic world's
-oracle trajectories, rendered exactly as the rollout worker renders prompts
-(services/rollout/episode.py): memory mode with ``memory_prompt_ids`` and the previous
-round only, full mode by appending ids (``full_next_prompt_ids``). Sequences come from
-the same ``trajectory_sequences`` the PPO trainer uses, so a prompt or an information
-block is never trained on. A jsonl file of rendered rounds works too: one round a line,
-``{"prompt": str, "response": str}`` or ``{"prompt_ids": [int], "response_ids": [int]}``.
+oracle trajectories, their prompts built by the rollout worker's own rule
+(``mempo.next_prompt.next_prompt_ids``): memory mode with the previous round only, full
+mode by appending ids. Sequences come from the same ``trajectory_sequences`` the PPO
+trainer uses, so a prompt or an information block is never trained on. A jsonl file of
+rendered rounds works too: one round a line, ``{"prompt": str, "response": str}`` or
+``{"prompt_ids": [int], "response_ids": [int]}``.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from mempo.agent_format import (
-    PreviousRound,
     Tokenizer,
     format_documents,
-    full_next_prompt_ids,
-    information_ids,
     mem_token_span,
     memory_prompt_ids,
     parse_response,
 )
 from mempo.files import atomic_dir
+from mempo.next_prompt import next_prompt_ids
 from mempo.schedule import cosine_schedule
 from mempo.schemas import Round, Trajectory
 from services.learner.batch import TrainingBatch, TrainSequence, trajectory_sequences
@@ -132,14 +130,7 @@ def oracle_rounds(
         )
         if parsed.action != "search":
             break
-        information = oracle_round.information or ""
-        if memory_mode:
-            prev = PreviousRound(
-                memory=parsed.memory or "", query=parsed.query, information=information
-            )
-            prompt = memory_prompt_ids(tok, questions, prev)
-        else:
-            prompt = full_next_prompt_ids(prompt, response_ids, information_ids(tok, information))
+        prompt = next_prompt_ids(tok, questions, rounds[-1], parsed, memory_mode)
     return rounds
 
 

@@ -1,10 +1,10 @@
-"""One episode of a task: the agent loop of DESIGN.md section 7, token-exact.
+"""One episode of a task: the agent loop of docs/rollout.md, 'The agent format', token-exact.
 
-Every round: render the prompt ids (memory mode: task + the previous round only; full
-mode: the previous prompt + response + information ids appended), generate, decode the
-output ids (the authoritative text), parse, search, and record exactly the ids the
-engine saw and produced with their log-probs. Text is never re-tokenised into a prompt
-that the engine already saw as ids.
+Every round: render the prompt ids (mempo.next_prompt: memory mode, task + the previous
+round only; full mode, the previous prompt + response + information ids appended),
+generate, decode the output ids (the authoritative text), parse, search, and record
+exactly the ids the engine saw and produced with their log-probs. Text is never
+re-tokenised into a prompt that the engine already saw as ids.
 
 A prompt that would not fit the engine's context ends the episode cleanly with a last
 round whose finish_reason is "context" (its prompt as it would have been sent, an empty
@@ -23,17 +23,15 @@ from typing import Any, Protocol
 from mempo.agent_format import (
     DEFAULT_TAGS,
     ParsedResponse,
-    PreviousRound,
     Tags,
     Tokenizer,
-    full_next_prompt_ids,
-    information_ids,
     mem_token_span,
     memory_prompt_ids,
     parse_response,
 )
 from mempo.arrays import LogProbs, TokenIds
 from mempo.clients.engine import ContextExceeded, EngineError, Generation
+from mempo.next_prompt import next_prompt_ids
 from mempo.rewards import RewardKind, is_correct, outcome_reward
 from mempo.schemas import Round, Task, Trajectory, new_id
 from services.rollout.metrics import WorkerMetrics
@@ -167,7 +165,9 @@ class EpisodeRunner:
                     result.format_ok = parsed.action == "answer"
                     result.answer_text = parsed.answer
                     break
-                prompt = self._next_prompt(task, prompt, round_, parsed)
+                prompt = next_prompt_ids(
+                    self.tok, task.questions, round_, parsed, memory_mode, self.config.tags
+                )
             else:
                 result.format_ok = False  # max_rounds without an answer
             self._finish(result, task)
@@ -220,17 +220,6 @@ class EpisodeRunner:
                 return gen
             log.info("generation %s was aborted by the engine; retrying", rid)
         raise EngineError(f"generation {rid} aborted {ABORT_ATTEMPTS} times")
-
-    def _next_prompt(
-        self, task: Task, prompt: list[int], round_: Round, parsed: ParsedResponse
-    ) -> list[int]:
-        tags = self.config.tags
-        information = round_.information or ""
-        if task.mode == "memory":
-            prev = PreviousRound(memory=parsed.memory or "", query=parsed.query, information=information)
-            return memory_prompt_ids(self.tok, task.questions, prev, tags)
-        info = information_ids(self.tok, information, tags)
-        return full_next_prompt_ids(prompt, round_.response_ids.tolist(), info)
 
     def _record(self, result: EpisodeResult, round_: Round, parsed: ParsedResponse, text: str) -> None:
         result.rounds.append(round_)

@@ -20,9 +20,10 @@ from mempo.agent_format import (
     parse_response,
 )
 from mempo.bm25 import LocalSearch
+from mempo.schemas import Task
 from mempo_sim.oracle import Oracle
 from mempo_sim.world import World
-from services.learner.batch import TrainingBatch
+from services.learner.batch import TrainingBatch, TrainSequence
 from services.learner.packing import forward_logprobs, micro_batches
 from services.learner.sft import (
     SftConfig,
@@ -34,6 +35,7 @@ from services.learner.sft import (
 )
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
+from tests.services.rollout.scripted import ScriptedEngine, booted_worker
 
 
 @pytest.mark.parametrize("mode", ["memory", "full"])
@@ -64,6 +66,43 @@ def test_oracle_rounds_are_rendered_like_the_rollout_worker(
         else:
             info = information_ids(tok, prev.information or "")  # type: ignore[arg-type]
             assert nxt.prompt_ids == [*prev.prompt_ids, *prev.response_ids, *info]
+
+
+def _rounds_of(sequence: TrainSequence) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) ids of each round a training sequence holds: a response is a run
+    of trained positions, its prompt every id before it."""
+    ids, positions = sequence.input_ids.tolist(), sequence.positions
+    breaks = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
+    return [
+        (ids[: positions[a]], ids[positions[a] : positions[b - 1] + 1])
+        for a, b in itertools.pairwise(breaks)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["memory", "full"])
+async def test_sft_rounds_are_the_prompts_a_rollout_shows_on_the_oracle_path(
+    tokenizer: Any, world: World, local_search: LocalSearch, mode: str
+) -> None:
+    """The rollout worker's episode loop, its engine answering as the oracle, shows round by
+    round the prompts SFT trains on (``world`` is oracle_sequences' default world)."""
+    sequences = oracle_sequences(tokenizer, tasks=2, k=[1, 2], mode=mode)  # type: ignore[arg-type]
+    sft = [r for s in sequences for r in _rounds_of(s)]
+    tasks = [
+        Task(questions=qs, answers=ans, n=1, mode=mode, max_rounds=24)
+        for k in (1, 2)
+        for qs, ans in world.tasks("train", k, 2)
+    ]
+    engine = ScriptedEngine.oracle(tokenizer, world, mode)
+    async with booted_worker(engine, local_search, tokenizer) as worker:
+        trajectories = [(await worker.run_task(t, score=False)).trajectories[0] for t in tasks]
+    assert all(t.correct for t in trajectories)
+    rollout = [
+        (r.prompt_ids.tolist(), r.response_ids.tolist()) for t in trajectories for r in t.rounds
+    ]
+    assert len(rollout) == len(sft) > 2 * len(tasks)
+    for index, (shown, trained) in enumerate(zip(rollout, sft, strict=True)):
+        assert shown[0] == trained[0], f"round {index}: the prompts differ"
+        assert shown[1] == trained[1], f"round {index}: the responses differ"
 
 
 def test_oracle_sequences_of_several_question_counts(tokenizer: object) -> None:
