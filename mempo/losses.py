@@ -1,29 +1,25 @@
 """PPO losses: clipped surrogate with dual clip, KL penalties, loss aggregation.
 
-Numerics follow verl's ``core_algos`` (DESIGN.md section 1): the log-ratio is clamped to
-[-20, 20] before ``exp``; the dual clip bounds the loss at ``-A * clip_c`` only where
-A < 0; the k3 ("low_var_kl") estimator clamps the log-ratio to [-20, 20] and the result
-to [-10, 10]. Losses return per-token values and metrics; ``agg_loss`` is the one place
-that reduces them.
+Numerics follow verl's ``core_algos`` (docs/architecture.md, 'The algorithm'): the
+log-ratio is clamped to [-20, 20] before ``exp``; the dual clip bounds the loss at
+``-A * clip_c`` only where A < 0; the k3 ("low_var_kl") estimator clamps the log-ratio
+to [-20, 20] and the result to [-10, 10]. Losses return per-token values and metrics;
+``agg_weights`` is the one definition of how they are reduced (per-token weights), and
+``agg_loss`` applies it.
 
 Glossary: T tokens (any shape; every tensor of one call shares it).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "traj-mean-token-mean"]
-AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "traj-mean-token-mean",
-)
+AGG_MODES: tuple[AggMode, ...] = get_args(AggMode)
 
 
 def _masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
@@ -102,15 +98,61 @@ def _group_sums(values: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     return sums.index_add_(0, inverse, values), inverse
 
 
+def _unit_ids(
+    mode: AggMode, mask: Tensor, seq_ids: Tensor | None, traj_ids: Tensor | None
+) -> Tensor:
+    """The unit each token is averaged in under ``mode``: its sequence or its trajectory."""
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        if seq_ids is not None:
+            return seq_ids
+        if mask.ndim != 2:
+            raise ValueError("seq_ids are required for a packed (1-D) input")
+        return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    if mode == "traj-mean-token-mean":
+        if traj_ids is None:
+            raise ValueError("traj-mean-token-mean needs traj_ids")
+        return traj_ids
+    raise ValueError(f"unknown loss aggregation {mode!r} ({', '.join(AGG_MODES)})")
+
+
+def agg_weights(
+    mask: Tensor,
+    mode: AggMode = "token-mean",
+    seq_ids: Tensor | None = None,
+    traj_ids: Tensor | None = None,
+) -> Tensor:
+    """The weight of every token's loss under ``mode``: agg_loss = sum(weights * per_token).
+
+    This is the one definition of the modes. A token outside ``mask`` weighs 0; a token
+    inside weighs, for token-mean, 1 / tokens; seq-mean-token-mean, 1 / (sequences x
+    tokens of its sequence); seq-mean-token-sum, 1 / sequences; traj-mean-token-mean,
+    1 / (trajectories x tokens of its trajectory over all its rounds). Tokens, sequences
+    and trajectories are counted inside ``mask`` only.
+
+    Weights taken over a whole mini-batch add up over any split of it into micro-batches
+    (and ranks) to exactly the mini-batch's loss, even where a trajectory's rounds fall
+    into different micro-batches. Arguments as agg_loss's; the result has mask's shape.
+    """
+    dtype = mask.dtype if mask.is_floating_point() else torch.get_default_dtype()
+    weights = mask.to(dtype)
+    if mode == "token-mean":
+        return weights / weights.sum().clamp(min=1.0)
+    ids = _unit_ids(mode, mask, seq_ids, traj_ids)
+    counts, inverse = _group_sums(weights.reshape(-1), ids.reshape(-1))
+    units = (counts > 0).sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return weights / units
+    return weights / (units * counts[inverse].clamp(min=1e-8)).reshape(weights.shape)
+
+
 def agg_loss(
     per_token: Tensor,
     mask: Tensor,
     mode: AggMode = "token-mean",
     seq_ids: Tensor | None = None,
     traj_ids: Tensor | None = None,
-    global_denominator: float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce per-token losses to a scalar.
+    """Reduce per-token losses to a scalar: sum(agg_weights(mask, mode, ...) * per_token).
 
     Args:
         per_token, mask: same shape: (N, L) padded, or (T,) packed.
@@ -121,34 +163,8 @@ def agg_loss(
         seq_ids: same shape as per_token, the sequence of each token; default: the row
             of a 2-D input (required for a packed 1-D input in the seq modes).
         traj_ids: same shape, the trajectory of each token (traj mode only).
-        global_denominator: when this call sees one micro-batch of a larger batch, the
-            whole batch's count of tokens / sequences / trajectories, so that the
-            micro-batch losses add up to the batch loss. Default: this call's count.
-    Sequences and trajectories without a masked-in token are ignored.
+    Sequences and trajectories without a masked-in token are ignored. For one
+    micro-batch of a larger batch, weigh its tokens by agg_weights of the whole batch.
     """
-    mask = mask.to(per_token.dtype)
-    values = (per_token * mask).reshape(-1)
-    flat_mask = mask.reshape(-1)
-    if mode == "token-mean":
-        denom = flat_mask.sum() if global_denominator is None else global_denominator
-        return values.sum() / torch.as_tensor(denom, dtype=values.dtype).clamp(min=1.0)
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        if seq_ids is None:
-            if per_token.ndim != 2:
-                raise ValueError("seq_ids are required for a packed (1-D) input")
-            seq_ids = torch.arange(per_token.shape[0], device=per_token.device)[:, None].expand_as(
-                per_token
-            )
-        ids = seq_ids.reshape(-1)
-    elif mode == "traj-mean-token-mean":
-        if traj_ids is None:
-            raise ValueError("traj-mean-token-mean needs traj_ids")
-        ids = traj_ids.reshape(-1)
-    else:
-        raise ValueError(f"unknown loss aggregation {mode!r} ({', '.join(AGG_MODES)})")
-    sums, _ = _group_sums(values, ids)
-    counts, _ = _group_sums(flat_mask, ids)
-    present = counts > 0
-    per_unit = sums if mode == "seq-mean-token-sum" else sums / counts.clamp(min=1e-8)
-    denom = present.sum() if global_denominator is None else global_denominator
-    return (per_unit * present).sum() / torch.as_tensor(denom, dtype=values.dtype).clamp(min=1.0)
+    weights = agg_weights(mask.to(per_token.dtype), mode, seq_ids, traj_ids)
+    return (per_token * weights).sum()

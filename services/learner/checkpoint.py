@@ -12,6 +12,10 @@ root fsynced), so a crash at any point leaves either the complete checkpoint or 
 ``latest()`` never sees half of one. Older checkpoints beyond ``keep_last`` are deleted
 only after the new one is durable. The learner acks the groups it trained on only after
 ``save`` returns, so with the ids in ``meta.json`` every group is trained exactly once.
+
+The functions over a whole ``Trainer`` (``save_trainer``, ``export_trainer``,
+``restore_trainer``) are collective under torchrun: on rank 0 each first sends its
+command to the other ranks, which run the same function from ``step.follow``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,10 +36,14 @@ import torch
 from mempo.files import atomic_dir
 from mempo.weights import check_finite, seal, write_safetensors
 from mempo_sim.tiny import make_world_readable
-from services.learner.distributed import full_model_state, full_optimizer_state, load_full_state
-
-if TYPE_CHECKING:
-    from services.learner.trainer import Trainer
+from services.learner.distributed import (
+    full_model_state,
+    full_optimizer_state,
+    lead,
+    load_full_state,
+)
+from services.learner.trainer import Trainer
+from services.learner.trainer_config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +250,29 @@ def export_hf(
 # --------------------------------------------------------------------------- a trainer's
 
 
+def resume_trainer(
+    config: TrainerConfig, model_path: str | Path, root: Path, device: str = "cpu"
+) -> tuple[Trainer, CheckpointState | None]:
+    """A trainer continued from the latest checkpoint under ``root``, if there is one.
+
+    The reference model stays the initial policy at ``model_path``.
+    """
+    trainer = Trainer(config, model_path, device)
+    path = latest(Path(root))
+    return trainer, (load_trainer(trainer, path) if path is not None else None)
+
+
 def save_trainer(
-    trainer: Trainer, root: Path, trained_group_ids: list[str], extra: dict[str, Any]
+    trainer: Trainer,
+    root: Path,
+    trained_group_ids: list[str],
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Checkpoint everything needed to resume ``trainer`` (collective under torchrun:
     every rank gathers; rank 0 writes)."""
+    extra = dict(extra or {})
+    lead(trainer.dist, "save", (str(root), list(trained_group_ids), extra))
+    root = Path(root)
     model_state = full_model_state(trainer.policy, trainer.dist)
     optimizer_state = full_optimizer_state(trainer.policy, trainer.optimizer, trainer.dist)
     path = root / f"step-{trainer.step:08d}"
@@ -280,8 +306,25 @@ def load_trainer(trainer: Trainer, path: Path) -> CheckpointState:
     return state.meta
 
 
+def restore_trainer(trainer: Trainer, root: Path) -> None:
+    """Undo a failed step: back to the latest checkpoint under ``root`` (every step
+    checkpoints, so it is the state before the step) or, before the first one, to the
+    initial state (collective under torchrun)."""
+    lead(trainer.dist, "restore", str(root))
+    path = latest(Path(root))
+    if path is not None:
+        load_trainer(trainer, path)
+        return
+    if trainer.step != 0:
+        raise RuntimeError(f"cannot undo step {trainer.step + 1}: no checkpoint under {root}")
+    trainer.reset()
+
+
 def export_trainer(trainer: Trainer, out_dir: Path) -> Path:
-    """The policy as an HF folder (collective under torchrun: rank 0 writes)."""
+    """The policy as an HF folder: safetensors, config, tokenizer files (collective under
+    torchrun: rank 0 writes)."""
+    lead(trainer.dist, "export", str(out_dir))
+    out_dir = Path(out_dir)
     state = full_model_state(trainer.policy, trainer.dist)
     if trainer.dist.is_main:
         tied = tied_parameter_names(trainer.policy)
@@ -297,10 +340,24 @@ def trainer_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The tensors ``export_trainer`` writes, in memory (what a weight broadcast sends).
     Unsharded trainers only: a sharded one exports through ``export_trainer``."""
     if trainer.dist.sharded:
-        raise RuntimeError("a sharded trainer publishes through export_hf (disk) only")
+        raise RuntimeError("a sharded trainer publishes through export_trainer (disk) only")
     state = full_model_state(trainer.policy, trainer.dist)
     return export_tensors(state, _export_dtype(trainer), tied_parameter_names(trainer.policy))
 
 
 def _export_dtype(trainer: Trainer) -> torch.dtype | None:
     return getattr(torch, trainer.config.export_dtype) if trainer.config.export_dtype else None
+
+
+@dataclass(frozen=True)
+class TrainerExporter:
+    """A trainer as the publisher's ``WeightExporter``: its policy written as an HF folder,
+    or held in memory for a weight broadcast."""
+
+    trainer: Trainer
+
+    def export_hf(self, out_dir: Path) -> Path:
+        return export_trainer(self.trainer, out_dir)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        return trainer_tensors(self.trainer)

@@ -27,16 +27,17 @@ def serve_learner(ctx: typer.Context) -> None:
     settings = settings_from_args(LearnerSettings, ctx.args, "mempo learner serve")
     if follower_rank():  # torchrun rank > 0: train rank 0's batches, no Redis, no HTTP
         from mempo.settings import configure_logging
-        from services.learner.trainer import Trainer
+        from services.learner.checkpoint import resume_trainer
+        from services.learner.step import follow
 
         configure_logging(settings.log_level)
-        trainer, _ = Trainer.resume(
+        trainer, _ = resume_trainer(
             settings.trainer,
             settings.resolved_model_path(),
             settings.checkpoints,
             settings.resolved_device(),
         )
-        trainer.follow()
+        follow(trainer)
         trainer.close()
         return
     learner = create_app(settings)

@@ -4,13 +4,14 @@ Under ``torchrun`` (WORLD_SIZE > 1) every rank builds the same ``Trainer``; the 
 and the reference are sharded with FSDP2 ``fully_shard`` (each decoder layer, then the
 root), on CUDA with NCCL and on CPU with gloo alike (FSDP2 runs on gloo in torch 2.13,
 so the CPU test exercises the same code as the GPU cluster). Rank 0 alone talks to Redis
-and HTTP: it calls the trainer's methods, which broadcast the command and its inputs
-(the groups) to the other ranks with ``lead``; they wait in ``follow``. Every rank then
-builds the identical batch and takes its share of each mini-batch.
+and HTTP: it calls the step's and the checkpoint's functions over the trainer, which
+broadcast the command and its inputs (the groups) to the other ranks with ``lead``; they
+wait in ``follow``. Every rank then builds the identical batch and takes its share of
+each mini-batch.
 
 Gradients: FSDP2 averages them over ranks, so each rank's loss is scaled by the world
-size; with the batch-global denominators of ``agg_loss`` the update equals one process
-on the whole batch.
+size; with per-token weights over the whole mini-batch (``mempo.losses.agg_weights``) the
+update equals one process on the whole batch.
 """
 
 from __future__ import annotations

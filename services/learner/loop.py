@@ -1,4 +1,6 @@
-"""The learner's main loop: one training step reads top to bottom (DESIGN.md section 3).
+"""The learner's main loop: one training step reads top to bottom.
+
+The data flow: docs/architecture.md, 'One training step'.
 
     groups -> advantages -> old / reference log-probs -> PPO epochs -> checkpoint
            -> publish weights -> ack the groups -> metrics -> admit more tasks
@@ -22,6 +24,12 @@ from mempo.api.learner import DroppedCounts, LearnerStatus, LoopState, PublishSt
 from mempo.queue import MalformedKey, RedisQueue
 from mempo.weights import NonFiniteWeights
 from services.learner.admission import Admission, TaskSpec, open_source
+from services.learner.checkpoint import (
+    TrainerExporter,
+    restore_trainer,
+    resume_trainer,
+    save_trainer,
+)
 from services.learner.consumer import Batch, GroupConsumer, TrainedIds
 from services.learner.publish import PublishReport, WeightPublisher
 from services.learner.settings import LearnerSettings
@@ -63,7 +71,7 @@ class LearnerLoop:
 
         await queue.ensure_groups()
         trainer, resumed = await asyncio.to_thread(
-            Trainer.resume,
+            resume_trainer,
             settings.trainer,
             settings.resolved_model_path(),
             settings.checkpoints,
@@ -149,7 +157,8 @@ class LearnerLoop:
                 break
         try:
             await asyncio.to_thread(
-                self.trainer.save_checkpoint,
+                save_trainer,
+                self.trainer,
                 self.settings.checkpoints,
                 self.consumer.trained.with_(batch.group_ids),
             )
@@ -178,14 +187,14 @@ class LearnerLoop:
                 "dead-lettering a batch of %d groups (%d failed in a row): %s",
                 len(batch.deliveries), self.failed_batches, reason,
             )  # fmt: skip
-            await asyncio.to_thread(self.trainer.restore, self.settings.checkpoints)
+            await asyncio.to_thread(restore_trainer, self.trainer, self.settings.checkpoints)
             await self.consumer.dead_letter(batch, reason)
             return None
         self.failed_batches = 0
         return train
 
     async def publish(self) -> PublishReport:
-        report = await self.publisher.publish(self.trainer, self.trainer.version)
+        report = await self.publisher.publish(TrainerExporter(self.trainer), self.trainer.version)
         self.last_publish = report
         self.metrics.publish_seconds.observe(report.total_s)
         self.metrics.publish_failures.inc(len(report.stale))
@@ -258,7 +267,7 @@ class LearnerLoop:
 
 def _sharded(trainer: Any) -> bool:
     """A sharded (FSDP) trainer publishes through disk only: its full state is gathered by
-    ``export_hf``'s collective (a broadcast of it is not implemented)."""
+    ``export_trainer``'s collective (a broadcast of it is not implemented)."""
     if trainer.dist.sharded:
         log.warning("weight_sync = broadcast: not with a sharded trainer; publishing through disk")
         return True

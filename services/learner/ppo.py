@@ -1,8 +1,8 @@
-"""The PPO update's pieces: mini-batch order, batch-global denominators, a micro-batch's loss.
+"""The PPO update's pieces: mini-batch order, mini-batch loss weights, a micro-batch's loss.
 
 A mini-batch is one optimizer step; its loss is split over micro-batches (and ranks)
-whose losses add up to exactly the mini-batch loss: every micro-batch divides by the
-mini-batch's denominator (mempo.losses.agg_loss's ``global_denominator``).
+whose losses add up to exactly the mini-batch loss: every micro-batch weighs its tokens
+by the weights of the whole mini-batch (mempo.losses.agg_weights).
 
 Glossary: K trained tokens (of the batch, or of one micro-batch), V vocabulary.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mempo.losses import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from mempo.losses import AggMode, agg_weights, entropy_from_logits, kl_penalty, ppo_policy_loss
 from services.learner.batch import TrainingBatch
 from services.learner.packing import MicroBatch
 from services.learner.trainer_config import TrainerConfig
@@ -34,7 +34,6 @@ class TokenData:
     advantages: Tensor
     old: Tensor | None  # None: the update's own forward, detached (a single update per step)
     ref: Tensor | None
-    seq_ids: Tensor
 
     @classmethod
     def of(
@@ -44,7 +43,6 @@ class TokenData:
             advantages=batch.advantages.to(device),
             old=old.to(device) if old is not None else None,
             ref=ref.to(device) if ref is not None else None,
-            seq_ids=batch.seq_ids.to(device),
         )
 
 
@@ -63,28 +61,22 @@ def shuffled_minibatches(
             yield [int(i) for i in part]
 
 
-def loss_denominator(
-    batch: TrainingBatch, mini: list[int], loss_agg: str, mem_loss: str = "shared"
-) -> tuple[float, Tensor | None]:
-    """agg_loss's denominator for mini-batch ``mini``, and per-token weights (or None).
+def loss_weights(
+    batch: TrainingBatch, mini: list[int], loss_agg: AggMode, mem_loss: str = "shared"
+) -> Tensor:
+    """The loss weight of every trained token (K,) for mini-batch ``mini``, 0 outside it.
 
-    token-mean: the mini-batch's trained tokens; seq modes: its sequences (a sequence
-    never spans micro-batches). traj-mean-token-mean weights each token by 1 / (its
-    trajectory's trained tokens in the mini-batch) and divides by the trajectory count:
-    exact however a trajectory's rounds fall into micro-batches and ranks. ``mem_loss``
-    "span-mean" (token-mean only): see span_mean_weights.
+    mempo.losses.agg_weights over the whole mini-batch, so the micro-batches' weighted
+    sums add up to exactly agg_loss over the mini-batch, however its sequences (and a
+    trajectory's rounds) fall into micro-batches and ranks. ``mem_loss`` "span-mean"
+    (token-mean only): see span_mean_weights.
     """
     idx = batch.token_index(mini)
     if mem_loss == "span-mean":
-        return 1.0, span_mean_weights(batch, idx)
-    if loss_agg == "token-mean":
-        return float(idx.numel()), None
-    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return float(len(mini)), None
-    counts = torch.bincount(batch.traj_ids[idx]).float()  # (B,)
-    scale = torch.zeros(batch.num_tokens)  # (K,)
-    scale[idx] = 1.0 / counts[batch.traj_ids[idx]]
-    return float((counts > 0).sum()), scale
+        return span_mean_weights(batch, idx)
+    mask = torch.zeros(batch.num_tokens)  # (K,)
+    mask[idx] = 1.0
+    return agg_weights(mask, loss_agg, seq_ids=batch.seq_ids, traj_ids=batch.traj_ids)
 
 
 def span_mean_weights(batch: TrainingBatch, idx: Tensor) -> Tensor:
@@ -93,14 +85,14 @@ def span_mean_weights(batch: TrainingBatch, idx: Tensor) -> Tensor:
     ``<mem>`` + mean over the ``<mem>`` spans of each span's own token-mean. A token outside
     weighs 1 / (tokens outside), a token of span s 1 / (spans x tokens of s), so a 20-token
     summary is not diluted by a token-mean over 400 tokens of thought and answer."""
-    span = batch.mem_span_ids[idx]  # (k,)
-    inside = span >= 0
-    scale = torch.zeros(batch.num_tokens)  # (K,)
-    scale[idx[~inside]] = 1.0 / max(int((~inside).sum()), 1)
-    if bool(inside.any()):
-        _, inverse, counts = torch.unique(span[inside], return_inverse=True, return_counts=True)
-        scale[idx[inside]] = 1.0 / (len(counts) * counts[inverse].float())
-    return scale
+    chosen = torch.zeros(batch.num_tokens, dtype=torch.bool)  # (K,)
+    chosen[idx] = True
+    inside = batch.mem_span_ids >= 0  # (K,)
+    outside = agg_weights((chosen & ~inside).float(), "token-mean")
+    spans = agg_weights(
+        (chosen & inside).float(), "seq-mean-token-mean", seq_ids=batch.mem_span_ids
+    )
+    return outside + spans
 
 
 def micro_loss(
@@ -109,13 +101,13 @@ def micro_loss(
     logp: Tensor,
     logits: Tensor,
     tokens: TokenData,
-    denominator: float,
-    token_scale: Tensor | None,
+    weights: Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the mini-batch loss, and its metric sums (see STATS).
 
-    per token: clipped surrogate (dual clip) + beta * KL(pi || pi_ref) - c * entropy.
-    ``logp`` (K,) and ``logits`` (K, V) come from packing.forward_logprobs.
+    per token: clipped surrogate (dual clip) + beta * KL(pi || pi_ref) - c * entropy;
+    the share: their sum weighted by the mini-batch's ``weights`` (K of the batch, see
+    loss_weights). ``logp`` (K,) and ``logits`` (K, V) come from packing.forward_logprobs.
     """
     idx = micro.token_index
     old = tokens.old[idx] if tokens.old is not None else logp.detach()
@@ -136,16 +128,7 @@ def micro_loss(
     with torch.set_grad_enabled(config.entropy_coef > 0):
         entropy = entropy_from_logits(logits)  # (K,)
     per_token = pg_loss + config.beta_kl * kl - config.entropy_coef * entropy  # (K,)
-    mode = config.loss_agg
-    if token_scale is not None:  # traj-mean-token-mean or span-mean as weighted token sums
-        per_token, mode = per_token * token_scale[idx], "token-mean"
-    loss = agg_loss(
-        per_token,
-        torch.ones_like(per_token),
-        mode,
-        seq_ids=tokens.seq_ids[idx],
-        global_denominator=denominator,
-    )
+    loss = (per_token * weights[idx]).sum()
     k = float(idx.numel())
     stats = {
         "tokens": torch.tensor(k, device=logp.device),

@@ -13,7 +13,8 @@
 The pure algorithm is mempo/advantages.py and mempo/losses.py (parity-tested); the batch
 is services/learner/batch.py, micro-batches services/learner/packing.py, the loss of one
 micro-batch services/learner/ppo.py. Under torchrun every rank runs this function on
-the same groups (rank 0 sends them, services/learner/distributed.py).
+the same groups (rank 0 sends them, services/learner/distributed.py): the other ranks
+wait in ``follow``, which runs rank 0's train, save, export and restore commands.
 """
 
 from __future__ import annotations
@@ -22,20 +23,23 @@ import contextlib
 import logging
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from mempo.schemas import Group
+from services.learner import distributed
 from services.learner.batch import TrainingBatch, build_batch, validate_group
+from services.learner.checkpoint import export_trainer, restore_trainer, save_trainer
 from services.learner.distributed import all_reduce_sum, lead, reduce_sums
 from services.learner.packing import forward_logprobs, rank_micro_batches
 from services.learner.ppo import (
     STATS,
     TOKEN_MEANS,
     TokenData,
-    loss_denominator,
+    loss_weights,
     micro_loss,
     shuffled_minibatches,
 )
@@ -116,8 +120,7 @@ def update(
     """One optimizer step on mini-batch ``mini``, gradients accumulated over this rank's
     micro-batches: its metrics, and the log-probs this rank's forward saw (K,)."""
     cfg, dist = trainer.config, trainer.dist
-    denominator, token_scale = loss_denominator(batch, mini, cfg.loss_agg, cfg.mem_loss)
-    scale = token_scale.to(dist.device) if token_scale is not None else None
+    weights = loss_weights(batch, mini, cfg.loss_agg, cfg.mem_loss).to(dist.device)
     seen = torch.zeros(batch.num_tokens, device=dist.device)
     sums = {name: torch.zeros((), dtype=torch.float64, device=dist.device) for name in STATS}
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -128,7 +131,7 @@ def update(
         if micro.dummy:  # keeps the ranks' collectives in step on a rank without work
             (logits.sum() * 0.0).backward()
             continue
-        loss, stats = micro_loss(cfg, micro, logp, logits, tokens, denominator, scale)
+        loss, stats = micro_loss(cfg, micro, logp, logits, tokens, weights)
         (loss * dist.world_size).backward()  # FSDP2 averages gradients over ranks
         seen[micro.token_index] = logp.detach()
         for name, value in stats.items():
@@ -216,3 +219,16 @@ def step_metrics(
         logprob_time_s=logprob_s,
     )
     return metrics
+
+
+def follow(trainer: Trainer) -> None:
+    """Ranks > 0: run rank 0's train, save, export and restore commands until it closes."""
+    distributed.follow(
+        trainer.dist,
+        {
+            "train": lambda groups: train_step(trainer, groups),
+            "save": lambda args: save_trainer(trainer, Path(args[0]), args[1], args[2]),
+            "export": lambda out: export_trainer(trainer, Path(out)),
+            "restore": lambda root: restore_trainer(trainer, Path(root)),
+        },
+    )

@@ -1,7 +1,8 @@
 """The trainer's state: the policy, its frozen reference, AdamW and the LR schedule,
-the step counters. The training step is services/learner/step.py; checkpoints and exports
-are services/learner/checkpoint.py; under torchrun the commands reach the other ranks
-through services/learner/distributed.py (``lead`` / ``follow``).
+the step counters. What acts on it imports it, never the other way: the training step
+and a follower rank's ``follow`` are services/learner/step.py; checkpoints (save, load,
+resume, restore) and exports are services/learner/checkpoint.py. Under torchrun those
+functions send their command to the other ranks (services/learner/distributed.py).
 
 The policy and the reference (the initial policy) live on the same device; master
 weights are float32.
@@ -20,17 +21,7 @@ from torch import nn
 
 from mempo.model_weights import own_tensors
 from mempo.schedule import cosine_schedule
-from services.learner import checkpoint
-from services.learner.checkpoint import CheckpointState
-from services.learner.distributed import (
-    DistContext,
-    follow,
-    init_distributed,
-    lead,
-    release,
-    shard_model,
-)
-from services.learner.step import train_step
+from services.learner.distributed import DistContext, init_distributed, release, shard_model
 from services.learner.trainer_config import TrainerConfig
 
 
@@ -110,32 +101,9 @@ class Trainer:
         self.pad_id = int(hf_config.pad_token_id if hf_config.pad_token_id is not None else 0)
         self.minibatch_metrics: list[dict[str, float]] = []  # of the last step, in order
 
-    @classmethod
-    def resume(
-        cls, config: TrainerConfig, model_path: str | Path, root: Path, device: str = "cpu"
-    ) -> tuple[Trainer, CheckpointState | None]:
-        """A trainer continued from the latest checkpoint under ``root``, if there is one.
-
-        The reference model stays the initial policy at ``model_path``.
-        """
-        trainer = cls(config, model_path, device)
-        path = checkpoint.latest(Path(root))
-        return trainer, (trainer.load_checkpoint(path) if path is not None else None)
-
-    def restore(self, root: Path) -> None:
-        """Undo a failed step: back to the latest checkpoint under ``root`` (every step
-        checkpoints, so it is the state before the step) or, before the first one, to
-        the initial state (every rank)."""
-        lead(self.dist, "restore", str(root))
-        self._restore(Path(root))
-
-    def _restore(self, root: Path) -> None:
-        path = checkpoint.latest(root)
-        if path is not None:
-            checkpoint.load_trainer(self, path)
-            return
-        if self.step != 0:
-            raise RuntimeError(f"cannot undo step {self.step + 1}: no checkpoint under {root}")
+    def reset(self) -> None:
+        """Back to the initial state (before any checkpoint): the policy at ``model_path``,
+        no AdamW moments, the schedule's start, no optimizer step, the seeded RNGs."""
         initial = load_model(self.model_path, self.config, self.dist, trainable=True)
         self.policy.load_state_dict(initial.state_dict())
         self.optimizer.state.clear()
@@ -144,37 +112,6 @@ class Trainer:
             group["lr"] = lr
         self.optimizer_steps = self.skipped_steps = 0
         seed_everything(self.config.seed)
-
-    def save_checkpoint(
-        self, root: Path, trained_group_ids: list[str], extra: dict[str, Any] | None = None
-    ) -> Path:
-        """Atomic checkpoint of everything needed to resume (collective under torchrun)."""
-        lead(self.dist, "save", (str(root), list(trained_group_ids), dict(extra or {})))
-        return checkpoint.save_trainer(self, Path(root), trained_group_ids, extra or {})
-
-    def load_checkpoint(self, path: Path) -> CheckpointState:
-        return checkpoint.load_trainer(self, path)
-
-    def export_hf(self, out_dir: Path) -> Path:
-        """The current policy as an HF folder (safetensors, config, tokenizer files)."""
-        lead(self.dist, "export", str(out_dir))
-        return checkpoint.export_trainer(self, Path(out_dir))
-
-    def export_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors ``export_hf`` writes, in memory (a weight broadcast sends them)."""
-        return checkpoint.trainer_tensors(self)
-
-    def follow(self) -> None:
-        """Ranks > 0: run rank 0's train, save and export commands until it closes."""
-        follow(
-            self.dist,
-            {
-                "train": lambda groups: train_step(self, groups),
-                "save": lambda args: checkpoint.save_trainer(self, Path(args[0]), args[1], args[2]),
-                "export": lambda out: checkpoint.export_trainer(self, Path(out)),
-                "restore": lambda root: self._restore(Path(root)),
-            },
-        )
 
     def close(self) -> None:
         """Rank 0: release the followers; every rank: leave the process group."""

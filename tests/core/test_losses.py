@@ -1,13 +1,23 @@
-"""Losses: hand-computed cases for every KL kind, clip side, dual clip and aggregation."""
+"""Losses: hand-computed cases for every KL kind, clip side, dual clip and aggregation;
+agg_loss against a plain-loop reference of every aggregation mode."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import pytest
 import torch
 
-from mempo.losses import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from mempo.losses import (
+    AGG_MODES,
+    AggMode,
+    agg_loss,
+    agg_weights,
+    entropy_from_logits,
+    kl_penalty,
+    ppo_policy_loss,
+)
 
 
 def t(*values: float) -> torch.Tensor:
@@ -134,15 +144,15 @@ class TestAgg:
             padded = agg_loss(self.per_token, self.mask, mode)  # type: ignore[arg-type]
             assert packed.item() == pytest.approx(padded.item()), mode
 
-    def test_global_denominator_makes_micro_batches_add_up(self) -> None:
-        whole = agg_loss(self.per_token, self.mask, "seq-mean-token-mean")
-        parts = [
-            agg_loss(self.per_token[i : i + 1], self.mask[i : i + 1], "seq-mean-token-mean", global_denominator=2)
-            for i in range(2)
-        ]
-        assert sum(p.item() for p in parts) == pytest.approx(whole.item())
-        tokens = agg_loss(self.per_token[:1], self.mask[:1], "token-mean", global_denominator=3)
-        assert tokens.item() == pytest.approx(3 / 3)
+    def test_whole_batch_weights_make_micro_batches_add_up(self) -> None:
+        traj = torch.tensor([0, 0])[:, None].expand(2, 3)
+        for mode in AGG_MODES:
+            whole = agg_loss(self.per_token, self.mask, mode, traj_ids=traj)
+            weights = agg_weights(self.mask, mode, traj_ids=traj)
+            parts = [(self.per_token[i] * weights[i]).sum() for i in range(2)]
+            assert sum(p.item() for p in parts) == pytest.approx(whole.item()), mode
+        tokens = agg_weights(self.mask, "token-mean")
+        assert tokens.reshape(-1).tolist() == pytest.approx([1 / 3, 1 / 3, 0, 1 / 3, 0, 0])
 
     def test_empty_sequences_are_ignored(self) -> None:
         mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
@@ -155,6 +165,40 @@ class TestAgg:
             agg_loss(self.per_token, self.mask, "sum")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="seq_ids"):
             agg_loss(torch.ones(3), torch.ones(3), "seq-mean-token-mean")
+
+
+def agg_reference(values: list[float], keep: list[bool], units: list[int], mode: AggMode) -> float:
+    """A mode by plain loops over the kept tokens: group by unit (sequence or trajectory),
+    reduce each unit (mean or sum), then average the units; token-mean ignores units."""
+    kept = [(v, u) for v, k, u in zip(values, keep, units, strict=True) if k]
+    if mode == "token-mean":
+        return sum(v for v, _ in kept) / max(len(kept), 1)
+    groups: dict[int, list[float]] = defaultdict(list)
+    for v, u in kept:
+        groups[u].append(v)
+    per_unit = [
+        sum(g) if mode == "seq-mean-token-sum" else sum(g) / len(g) for g in groups.values()
+    ]
+    return sum(per_unit) / max(len(per_unit), 1)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss_matches_its_plain_loop_reference(mode: AggMode) -> None:
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        n, width = 6, 9
+        per_token = torch.randn(n, width, generator=generator, dtype=torch.float64)
+        lengths = torch.randint(0, width + 1, (n,), generator=generator)  # some rows empty
+        mask = torch.arange(width)[None, :] < lengths[:, None]  # (n, width)
+        seq = torch.arange(n)[:, None].expand(n, width)
+        traj = torch.randint(0, 3, (n,), generator=generator)[:, None].expand(n, width)
+        units = (traj if mode == "traj-mean-token-mean" else seq).reshape(-1).tolist()
+        want = agg_reference(per_token.reshape(-1).tolist(), mask.reshape(-1).tolist(), units, mode)
+        got = agg_loss(per_token, mask, mode, traj_ids=traj)
+        assert got.item() == pytest.approx(want, rel=1e-12, abs=1e-12)
+        ones = torch.ones(int(mask.sum()), dtype=torch.float64)
+        packed = agg_loss(per_token[mask], ones, mode, seq[mask], traj[mask])
+        assert packed.item() == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
 def test_entropy_of_uniform() -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from mempo.schemas import Group
-from services.learner.step import train_step
+from services.learner.checkpoint import export_trainer, save_trainer
+from services.learner.step import follow, train_step
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
 
@@ -26,15 +27,15 @@ def main() -> None:
     model_dir, data, out = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     trainer = Trainer(config, model_dir)
     if not trainer.dist.is_main:
-        trainer.follow()
+        follow(trainer)
         trainer.close()
         return
     groups = [Group.model_validate_json(line) for line in data.read_text().splitlines()]
     metrics = train_step(trainer, groups)
-    trainer.save_checkpoint(
-        out / "ckpt", [g.group_id for g in groups], {"world": trainer.dist.world_size}
+    save_trainer(
+        trainer, out / "ckpt", [g.group_id for g in groups], {"world": trainer.dist.world_size}
     )
-    trainer.export_hf(out / "hf")
+    export_trainer(trainer, out / "hf")
     (out / "metrics.json").write_text(
         json.dumps({"step": metrics, "minibatches": trainer.minibatch_metrics})
     )

@@ -33,18 +33,18 @@ CRASHING_RUN = textwrap.dedent(
     from pathlib import Path
     from mempo import files
     from mempo.schemas import Group
+    from services.learner.checkpoint import resume_trainer, save_trainer
     from services.learner.step import train_step
-    from services.learner.trainer import Trainer
     from services.learner.trainer_config import TrainerConfig
 
     config = TrainerConfig.model_validate_json(sys.argv[1])
     model, root, data = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     steps = [[Group.model_validate_json(line) for line in part.splitlines()]
              for part in data.read_text().split("\\n\\n")]
-    trainer, state = Trainer.resume(config, model, root)
+    trainer, state = resume_trainer(config, model, root)
     assert state is None
     train_step(trainer, steps[0])
-    trainer.save_checkpoint(root, [g.group_id for g in steps[0]], {"admitted": 8})
+    save_trainer(trainer, root, [g.group_id for g in steps[0]], {"admitted": 8})
     train_step(trainer, steps[1])
     real_fsync = files._fsync
     def crash(path, flags):
@@ -52,7 +52,7 @@ CRASHING_RUN = textwrap.dedent(
         if path.name.startswith(".tmp-step-"):  # the temp folder, whole, not yet renamed
             os._exit(17)
     files._fsync = crash
-    trainer.save_checkpoint(root, [g.group_id for g in steps[1]])
+    save_trainer(trainer, root, [g.group_id for g in steps[1]])
     """
 )
 
@@ -96,7 +96,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     ]  # the half-written one
     assert checkpoint.latest(root) == root / "step-00000001"
 
-    resumed, state = Trainer.resume(CONFIG, tiny_model_dir, root)
+    resumed, state = checkpoint.resume_trainer(CONFIG, tiny_model_dir, root)
     assert state is not None
     assert (state.step, state.version, state.extra) == (1, 1, {"admitted": 8})
     assert state.trained_group_ids == [g.group_id for g in first]
@@ -123,25 +123,25 @@ def test_retention_and_atomicity(tiny_model_dir: Path, tmp_path: Path) -> None:
     saved = []
     for step in range(3):
         trainer.step = trainer.version = step
-        saved.append(trainer.save_checkpoint(tmp_path, [f"g{step}"]))
+        saved.append(checkpoint.save_trainer(trainer, tmp_path, [f"g{step}"]))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-00000001", "step-00000002", "step-00000007"]
     assert checkpoint.latest(tmp_path) == saved[-1]
     assert checkpoint.read_meta(saved[-1]).trained_group_ids == ["g2"]
     with pytest.raises(TypeError):
-        trainer.save_checkpoint(tmp_path, [], {"not json": object()})
+        checkpoint.save_trainer(trainer, tmp_path, [], {"not json": object()})
     assert sorted(p.name for p in tmp_path.iterdir()) == names
 
 
 def test_a_non_finite_policy_is_never_checkpointed(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Retention would delete the last good checkpoint a few steps after a NaN one."""
     trainer = Trainer(TrainerConfig(beta_kl=0.0, keep_last=1), tiny_model_dir)
-    good = trainer.save_checkpoint(tmp_path, ["g0"])
+    good = checkpoint.save_trainer(trainer, tmp_path, ["g0"])
     with torch.no_grad():
         next(trainer.policy.parameters()).view(-1)[0] = float("nan")
     trainer.step = trainer.version = 1
     with pytest.raises(NonFiniteWeights, match="NaN or inf"):
-        trainer.save_checkpoint(tmp_path, ["g0", "g1"])
+        checkpoint.save_trainer(trainer, tmp_path, ["g0", "g1"])
     assert [p.name for p in tmp_path.iterdir()] == [good.name]
     assert checkpoint.latest(tmp_path) == good
 
@@ -149,16 +149,18 @@ def test_a_non_finite_policy_is_never_checkpointed(tiny_model_dir: Path, tmp_pat
 def test_a_non_finite_policy_is_never_exported(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The export checks the tensors as it writes them (and then seals what it checked)."""
     trainer = Trainer(TrainerConfig(beta_kl=0.0), tiny_model_dir)
-    assert is_sealed(trainer.export_hf(tmp_path / "v0"))
+    assert is_sealed(checkpoint.export_trainer(trainer, tmp_path / "v0"))
     with torch.no_grad():
         next(trainer.policy.parameters()).view(-1)[0] = float("inf")
     with pytest.raises(NonFiniteWeights, match="NaN or inf"):
-        trainer.export_hf(tmp_path / "v1")
+        checkpoint.export_trainer(trainer, tmp_path / "v1")
     assert not (tmp_path / "v1" / SEAL).exists()
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tiny_model_dir: Path, tmp_path: Path) -> None:
-    trainer, state = Trainer.resume(TrainerConfig(beta_kl=0.0), tiny_model_dir, tmp_path / "none")
+    trainer, state = checkpoint.resume_trainer(
+        TrainerConfig(beta_kl=0.0), tiny_model_dir, tmp_path / "none"
+    )
     assert state is None and trainer.step == trainer.version == 0
 
 
@@ -168,14 +170,14 @@ def test_export_hf_loads_as_the_same_policy(tiny_model_dir: Path, tmp_path: Path
 
     trainer = Trainer(TrainerConfig(lr=1e-3, beta_kl=0.0), tiny_model_dir)
     train_step(trainer, cached_groups(tiny_model_dir, 1))
-    out = trainer.export_hf(tmp_path / "v1")
+    out = checkpoint.export_trainer(trainer, tmp_path / "v1")
     for path in [out, *out.iterdir()]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o444 == 0o444, path  # world-readable
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
     assert "lm_head.weight" not in keys  # tied to the embeddings, re-tied on load
-    in_memory = trainer.export_tensors()  # what a weight broadcast sends: the same tensors
+    in_memory = checkpoint.trainer_tensors(trainer)  # what a weight broadcast sends
     on_disk = load_file(str(out / "model.safetensors"))
     assert set(in_memory) == keys and all(torch.equal(in_memory[k], on_disk[k]) for k in keys)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
@@ -187,8 +189,7 @@ def test_export_hf_loads_as_the_same_policy(tiny_model_dir: Path, tmp_path: Path
         torch.testing.assert_close(
             loaded(input_ids=ids).logits, trainer.policy(input_ids=ids).logits
         )
-    bf16 = Trainer(TrainerConfig(beta_kl=0.0, export_dtype="bfloat16"), tiny_model_dir).export_hf(
-        tmp_path / "bf"
-    )
+    bf16_trainer = Trainer(TrainerConfig(beta_kl=0.0, export_dtype="bfloat16"), tiny_model_dir)
+    bf16 = checkpoint.export_trainer(bf16_trainer, tmp_path / "bf")
     assert json.loads((bf16 / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16

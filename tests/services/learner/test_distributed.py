@@ -88,7 +88,7 @@ def test_two_processes_make_the_same_update_as_one(tiny_model_dir: Path, tmp_pat
     path = checkpoint.latest(tmp_path / "ckpt")
     assert path is not None
     resumed = Trainer(config, tiny_model_dir)
-    state = resumed.load_checkpoint(path)
+    state = checkpoint.load_trainer(resumed, path)
     assert (state.step, state.version, state.extra) == (1, 1, {"world": 2})
     assert_same_update(dict(resumed.policy.named_parameters()), want, config.lr)
     moments = [s["exp_avg"] for s in resumed.optimizer.state.values()]

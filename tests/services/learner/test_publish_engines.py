@@ -10,6 +10,7 @@ import torch
 from mempo.keys import Keys
 from mempo.queue import RedisQueue
 from mempo.registry import EngineInfo
+from services.learner.checkpoint import TrainerExporter
 from services.learner.publish import WeightPublisher
 from services.learner.trainer import Trainer
 from services.learner.trainer_config import TrainerConfig
@@ -39,7 +40,7 @@ async def test_engines_and_scorer_load_the_published_version(
             await queue.register_engine(EngineInfo(id=f"e{i}", role=role, url=url).signed(TOKEN), ttl_s=120)
         publisher = WeightPublisher(queue, root, admin_token=TOKEN, timeout_s=60)
         try:
-            report = await publisher.publish(trainer, version=1)
+            report = await publisher.publish(TrainerExporter(trainer), version=1)
         finally:
             await publisher.aclose()
         async with httpx.AsyncClient(timeout=30) as http:

@@ -13,6 +13,7 @@ from mempo.keys import Keys
 from mempo.queue import RedisQueue
 from mempo.schemas import Group, Task
 from mempo.weights import map_safetensors, non_finite
+from services.learner import loop as learner_loop
 from services.learner.loop import LearnerLoop
 from services.learner.settings import LearnerSettings
 from services.learner.trainer_config import TrainerConfig
@@ -120,6 +121,7 @@ async def test_each_group_is_trained_exactly_once_across_a_crash(
     queue: RedisQueue,
     fleet: list[StandInEngine],
     crash_at: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Kill the loop just before the checkpoint, the publish or the ack; restart it."""
     settings = learner_settings(redis_url, keys, tmp_path, tiny_model_dir)
@@ -130,10 +132,10 @@ async def test_each_group_is_trained_exactly_once_across_a_crash(
     def crash(*args: object, **kwargs: object) -> None:
         raise SimulatedCrash(crash_at)
 
-    target = {"checkpoint": loop.trainer, "publish": loop.publisher, "ack": loop.consumer}[crash_at]
-    method = {"checkpoint": "save_checkpoint", "publish": "publish", "ack": "ack"}[crash_at]
-    setattr(target, method, crash)
-    with pytest.raises(SimulatedCrash):
+    target = {"checkpoint": learner_loop, "publish": loop.publisher, "ack": loop.consumer}[crash_at]
+    method = {"checkpoint": "save_trainer", "publish": "publish", "ack": "ack"}[crash_at]
+    with monkeypatch.context() as patch, pytest.raises(SimulatedCrash):
+        patch.setattr(target, method, crash)
         await loop.training_step()
     trained = parameters(loop)
     await loop.aclose()
