@@ -3,11 +3,11 @@
 Glossary: B trajectories, K (trajectory, round) memory items, N training sequences,
 L tokens per sequence, S memory spans.
 
-Numerics (DESIGN.md section 1): std is the unbiased (n-1) estimator, eps = 1e-6. A
-group (or pool) of size 1, or with zero variance, gets advantage 0. This differs from
-verl, whose size-1 group returns the raw score (mean 0, std 1); we follow slime, since a
-lone sample carries no relative signal. With ``norm_by_std=False`` (Dr.GRPO) the
-advantage is the centred reward, and a size-1 group still gets 0.
+Numerics (docs/architecture.md, 'The algorithm'): std is the unbiased (n-1) estimator,
+eps = 1e-6. A group (or pool) of size 1, or with zero variance, gets advantage 0. This
+differs from verl, whose size-1 group returns the raw score (mean 0, std 1); we follow
+slime, since a lone sample carries no relative signal. With ``norm_by_std=False``
+(Dr.GRPO) the advantage is the centred reward, and a size-1 group still gets 0.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# The default memory-advantage guard (DESIGN.md section 1: pools whose spread is noise
-# must not drive the <mem> tokens). R_M = P_mem - P_full lies in [-1, 1]. A policy that
-# cannot answer has every P near 0 and pools whose std is about 0.01 (measured,
-# docs/results.md); a pool where some memories hold the answer and others do not has P_mem
-# values apart by tenths and a std far above 0.05. Below it, A_M is 0; above it, the
-# definition is unchanged.
+# The default memory-advantage guard (docs/architecture.md, 'The algorithm': pools whose
+# spread is noise must not drive the <mem> tokens). R_M = P_mem - P_full lies in [-1, 1].
+# A policy that cannot answer has every P near 0 and pools whose std is about 0.01
+# (measured, docs/results.md); a pool where some memories hold the answer and others do
+# not has P_mem values apart by tenths and a std far above 0.05. Below it, A_M is 0;
+# above it, the definition is unchanged.
 MEM_MIN_STD = 0.05
 
 
@@ -136,10 +136,11 @@ def token_advantages(
 def scale_negative(advantages: Tensor, scale: float) -> Tensor:
     """Multiply every negative advantage by ``scale``; positive and zero ones are unchanged.
 
-    ``scale`` = 1 is the definition (DESIGN.md section 1). A tiny policy that succeeds on
-    10-20% of rollouts gives most of them a negative advantage; pushing down tokens sampled
-    at T=1 spreads probability mass onto garbage and the policy drifts. Scaling negative
-    advantages by 0.2 kept it stable (measured in issue 23, docs/results.md).
+    ``scale`` = 1 is the definition (docs/architecture.md, 'The algorithm'). A tiny policy
+    that succeeds on 10-20% of rollouts gives most of them a negative advantage; pushing
+    down tokens sampled at T=1 spreads probability mass onto garbage and the policy
+    drifts. Scaling negative advantages by 0.2 kept it stable (measured in issue 23,
+    docs/results.md).
 
     Args:
         advantages: any shape, e.g. (N, L) per-token or (K,) trained-token advantages.

@@ -1,4 +1,6 @@
-"""The agent's text format: prompts, scoring contexts and response parsing (DESIGN.md s7).
+"""The agent's text format: prompts, scoring contexts and response parsing.
+
+The format itself: docs/rollout.md, 'The agent format'.
 
 One definition shared by the rollout workers (prompts), the scorer (P_mem / P_full
 contexts), the learner's SFT (rendered rounds) and the oracle. Everything that becomes

@@ -1,4 +1,4 @@
-"""Every Redis key of the system, in one place (DESIGN.md section 4).
+"""Every Redis key of the system, in one place (docs/architecture.md, 'Redis keys').
 
 A prefix other than ``mempo:`` lets several runs share one Redis.
 """

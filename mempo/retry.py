@@ -1,4 +1,6 @@
-"""Bounded retries with capped, jittered exponential backoff (STYLE.md rule 7).
+"""Bounded retries with capped, jittered exponential backoff.
+
+The rule: docs/contributing.md, 'Errors and retries'.
 
 Only transient failures are retried: connection errors and timeouts, HTTP 5xx and 429.
 Everything else (4xx: the request is wrong) is raised at once. A cancellation that may

@@ -2,8 +2,8 @@
 
 A multi-question task's answer is the sub-answers joined by ";" in question order; the
 gold is one alias list per question. ``outcome_reward`` is 1 only when the format is
-valid and every sub-answer matches (DESIGN.md section 1); "fraction" and "f1" are the
-partial-credit options.
+valid and every sub-answer matches (docs/architecture.md, 'The algorithm'); "fraction"
+and "f1" are the partial-credit options.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wire records shared by every service (DESIGN.md section 5).
+"""Wire records shared by every service (docs/architecture.md, 'Wire records').
 
 These pydantic models are the one contract for what travels between processes: over
 HTTP as plain JSON, and through Redis where the token arrays travel packed (base64 of

@@ -152,9 +152,9 @@ class Oracle:
 
     def respond_full(self, questions: Sequence[str], history: Sequence[tuple[str, str]]) -> str:
         """Full mode: replay every (query, information) pair of the history. The response
-        has the same format as in memory mode, <mem> included (DESIGN.md section 7: the
-        instructions and round 1's prompt are the same in both modes; only the context
-        differs)."""
+        has the same format as in memory mode, <mem> included (docs/rollout.md, 'The agent
+        format': the instructions and round 1's prompt are the same in both modes; only the
+        context differs)."""
         specs = self._specs(questions)
         state: list[list[str]] = [[] for _ in specs]
         for query, information in history:

@@ -1,1 +1,1 @@
-"""HTTP request and response models of every service: the routes of DESIGN.md section 6."""
+"""HTTP request and response models of every service (docs/architecture.md, 'HTTP routes')."""

@@ -3,8 +3,9 @@
 Real SGLang servers and the CPU engine (services/rollout) speak it alike. Unknown keys
 are ignored, as SGLang does, except inside ``sampling_params``: SGLang answers 400
 ``unknown field `seed`, expected one of ...`` for a key outside SGLANG_SAMPLING_FIELDS,
-and so does the CPU engine. See ../shared/reference/sglang-api.md; tests/contract checks
-these names and every body the client builds against the sglang wheel itself.
+and so does the CPU engine. See docs/rollout.md, 'The SGLang contract (audited against
+0.5.23)'; tests/contract checks these names and every body the client builds against the
+sglang wheel itself.
 """
 
 from __future__ import annotations

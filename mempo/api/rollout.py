@@ -1,4 +1,6 @@
-"""Rollout worker API: run one task now, and the worker's status (DESIGN.md section 6).
+"""Rollout worker API: run one task now, and the worker's status.
+
+The routes: docs/architecture.md, 'HTTP routes', and docs/rollout.md.
 
 ``POST /v1/episodes`` answers with the task's ``mempo.schemas.Group`` (the wire record
 the learner trains on), so evaluation and other tools read exactly what training reads.

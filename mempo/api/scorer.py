@@ -1,8 +1,8 @@
 """Scorer API: P_mem / P_full of an agent's memories, and generic answer log-probs.
 
 P = exp(mean log-prob of the gold answer's tokens given a context), the geometric mean
-of the token probabilities (DESIGN.md section 1). Contexts are rendered by
-mempo/agent_format.py, the definition the rollout workers use.
+of the token probabilities (docs/architecture.md, 'The algorithm'). Contexts are
+rendered by mempo/agent_format.py, the definition the rollout workers use.
 """
 
 from __future__ import annotations

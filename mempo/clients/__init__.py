@@ -1,1 +1,1 @@
-"""Async HTTP clients of the services (retries per STYLE.md rule 7)."""
+"""Async HTTP clients of the services (retries: docs/contributing.md, 'Errors and retries')."""

@@ -6,8 +6,9 @@
 - Tolerates SGLang 0.5.x route renames (``/model_info`` vs ``/get_model_info``) and
   response shapes (a list for n > 1 or a batch).
 - Admin calls (weight updates, flush, pause) carry the admin bearer token.
-- Retries (STYLE.md rule 7): connection errors, 5xx and 429, with capped backoff; a 4xx is
-  raised at once as ``EngineError`` (``ContextExceeded`` when the prompt does not fit).
+- Retries (docs/contributing.md, 'Errors and retries'): connection errors, 5xx and 429,
+  with capped backoff; a 4xx is raised at once as ``EngineError`` (``ContextExceeded``
+  when the prompt does not fit).
   A retried /generate carries a fresh ``rid`` (``<rid>-r<attempt>``): SGLang keeps a
   request id taken until it notices the first attempt's disconnect (a 4 s poll) and
   answers 400 "Duplicate request ID detected" meanwhile. The ids keep the base rid as

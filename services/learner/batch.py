@@ -1,4 +1,7 @@
-"""Groups -> training sequences with per-token advantages (DESIGN.md sections 1 and 7).
+"""Groups -> training sequences with per-token advantages.
+
+The definitions: docs/architecture.md, 'The algorithm' (advantages), docs/trainer.md,
+'One step' (sequences), docs/rollout.md, 'The agent format' (the rounds they come from).
 
 Memory mode: every round is one sequence, ``prompt_ids + response_ids``, trained on the
 response. Full mode: a trajectory is one sequence, the last round's prompt + response,

@@ -1,8 +1,8 @@
 """The PPO trainer's configuration (prime-rl style: pydantic, a docstring on every field).
 
-Defaults follow DESIGN.md section 1 and verl's ``core_algos`` (clip 0.2, dual clip 3.0,
-k3 KL with beta 0.001, token-mean aggregation), except the learning rate: 1e-4 suits the
-tiny local model; 7B-class models use 1e-6 (verl's GRPO recipes).
+Defaults follow docs/architecture.md, 'The algorithm' and verl's ``core_algos`` (clip 0.2,
+dual clip 3.0, k3 KL with beta 0.001, token-mean aggregation), except the learning rate:
+1e-4 suits the tiny local model; 7B-class models use 1e-6 (verl's GRPO recipes).
 """
 
 from __future__ import annotations
@@ -109,10 +109,11 @@ class TrainerConfig(BaseModel):
 
     neg_adv_scale: float = Field(default=1.0, gt=0, le=1)
     """Multiplies every negative per-token advantage (after A_T + alpha * A_M); positive
-    and zero ones are unchanged. 1 is DESIGN.md's definition. A tiny policy that succeeds
-    on 10-20% of rollouts gives most of them a negative advantage, and pushing down tokens
-    sampled at T=1 spreads mass onto garbage until the policy drifts; 0.2 kept it stable
-    (issue 23, docs/results.md). See mempo.advantages.scale_negative."""
+    and zero ones are unchanged. 1 is the definition (docs/architecture.md, 'The
+    algorithm'). A tiny policy that succeeds on 10-20% of rollouts gives most of them a
+    negative advantage, and pushing down tokens sampled at T=1 spreads mass onto garbage
+    until the policy drifts; 0.2 kept it stable (issue 23, docs/results.md). See
+    mempo.advantages.scale_negative."""
 
     norm_by_std: bool = True
     """Divide the outcome advantage by the group's std (False: Dr.GRPO, centred reward only)."""

@@ -1,4 +1,6 @@
-"""The rollout worker: claim a task, run it, publish its Group, then ack (DESIGN.md s3).
+"""The rollout worker: claim a task, run it, publish its Group, then ack.
+
+Its part of the data flow: docs/architecture.md, 'One training step', step 2.
 
 - At-least-once: the group is published before the task is acked, so a worker that dies
   in between leaves a task that another worker reclaims (the learner drops the duplicate

@@ -19,8 +19,8 @@ from mempo.advantages import (
 def reference_group_norm(
     values: list[float], ids: list[int], eps: float = 1e-6, norm: bool = True, min_std: float = 0.0
 ) -> list[float]:
-    """The definition, one group at a time (DESIGN.md section 1); a group whose std is below
-    ``min_std`` (the memory advantage's option) gets 0 too."""
+    """The definition, one group at a time (docs/architecture.md, 'The algorithm'); a
+    group whose std is below ``min_std`` (the memory advantage's option) gets 0 too."""
     out = [0.0] * len(values)
     for g in set(ids):
         members = [i for i, x in enumerate(ids) if x == g]

@@ -235,3 +235,37 @@ def test_mempo_docs_config_is_a_cli_command(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "up to date" in result.stdout
+
+
+# ----------------------------------------------------------------- references
+
+
+# Documents that live outside the repository: a clone has none of them, so no file may
+# point at them (the contracts are stated in docs/, see docs/contributing.md). The names
+# sit inside an alternation so that this file does not match itself.
+OUTSIDE_DOCUMENTS = re.compile(
+    r"\b(?:DESIGN|STYLE)\.md\b"  # the design document and the house style
+    r"|(?:\.\./|/work/)shared\b"  # the folder beside the checkout that holds them
+)
+
+
+def repository_files() -> list[Path]:
+    """The tracked files and the new ones git does not ignore."""
+    command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listed = subprocess.run(command, capture_output=True, check=True, cwd=REPO, timeout=60)
+    return [REPO / name for name in listed.stdout.decode().split("\0") if name]
+
+
+def test_no_file_points_at_documents_outside_the_repository() -> None:
+    found = []
+    for path in repository_files():
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary
+        for number, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE_DOCUMENTS.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
