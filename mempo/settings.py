@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar, get_args
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin
 from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -106,20 +108,20 @@ def with_preset(data: Any, presets: Mapping[str, Mapping[str, Any]]) -> Any:
     name = data["preset"]
     if name not in presets:
         raise ValueError(f"unknown preset {name!r} (choose from {', '.join(presets)})")
-    return _under(dict(presets[name]), data)
+    return merged(presets[name], data)
 
 
-def _under(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` over a copy of ``base``, nested blocks (dicts, a block's model) field by field."""
+    out = dict(base)
     for key, value in over.items():
-        below = base.get(key)
+        below = out.get(key)
         if isinstance(value, BaseModel):
             value = value.model_dump(exclude_unset=True)
-        base[key] = (
-            _under(dict(below), value)
-            if isinstance(below, Mapping) and isinstance(value, Mapping)
-            else value
-        )
-    return base
+        if isinstance(below, Mapping) and isinstance(value, Mapping):
+            value = merged(below, value)
+        out[key] = value
+    return out
 
 
 def settings_env(settings: BaseSettings) -> dict[str, str]:
@@ -166,64 +168,105 @@ def settings_from_args(
     learner's trainer) come from the environment only. ``--help`` lists them with their
     docstrings; ``aliases`` adds option names (``{"index": "index_path"}``). An unknown
     option or a bad value exits 2 with a message naming it."""
-    import click
-    from pydantic import ValidationError
-
     extra = dict(aliases or {})
-    params: list[click.Parameter] = [
-        click.Option(
-            [
-                name,
-                f"--{name.replace('_', '-')}",
-                *(f"--{a}" for a, to in extra.items() if to == name),
-            ],
-            help=(field.description or "").split("\n\n")[0] + _default(field.default),
-            metavar=_metavar(field.annotation),
-        )
+    params = [
+        field_option(name, field, field.default, [a for a, to in extra.items() if to == name])
         for name, field in cls.model_fields.items()
-        if _on_command_line(field.annotation)
+        if on_command_line(field.annotation)
     ]
     env = str(cls.model_config.get("env_prefix", ""))
-    command = click.Command(
-        prog, params=params, help=f"Every option is also the variable {env}<NAME>; options win."
+    given = read_options(
+        prog, params, args, f"Every option is also the variable {env}<NAME>; options win."
     )
+    refuse_url_passwords(given, env)
+    return validated(lambda: cls(**given), lambda where: where)
+
+
+def field_option(
+    dest: str, field: FieldInfo, default: Any, aliases: Sequence[str] = (), flag: bool = False
+) -> Any:
+    """The click option ``--<dest with dashes>`` (and ``aliases``) of a setting: its
+    docstring's first paragraph and ``default`` as help; a value not given reads None.
+    ``flag``: a boolean as ``--x/--no-x`` rather than ``--x true``."""
+    import click
+
+    text = (field.description or "").split("\n\n")[0] + _default(default)
+    option = dest.replace("_", "-")
+    if flag:
+        return click.Option([dest, f"--{option}/--no-{option}"], default=None, help=text)
+    decls = [f"--{name.replace('_', '-')}" for name in (dest, *aliases)]
+    return click.Option([dest, *decls], help=text, metavar=_metavar(field.annotation))
+
+
+def command_options(model: type[BaseModel], exclude: Sequence[str] = ()) -> list[Any]:
+    """A command's options made from ``model``'s plain fields (not ``exclude``): help from
+    each docstring, the field's default, booleans as ``--x/--no-x``."""
+    return [
+        field_option(name, field, field.default, flag=field.annotation is bool)
+        for name, field in model.model_fields.items()
+        if name not in exclude and on_command_line(field.annotation)
+    ]
+
+
+def read_options(prog: str, params: list[Any], args: Sequence[str], epilog: str) -> dict[str, Any]:
+    """The options given in ``args`` (none given: absent). ``--help`` prints every option and
+    exits 0; an unknown option or a missing value exits 2 with click's message."""
+    import click
+
+    command = click.Command(prog, params=params, help=epilog)
     try:
         with command.make_context(prog, list(args)) as ctx:
-            given = {name: value for name, value in ctx.params.items() if value is not None}
+            return {name: value for name, value in ctx.params.items() if value is not None}
     except click.exceptions.Exit as exc:  # --help
         raise SystemExit(exc.exit_code) from None
     except click.ClickException as exc:  # an unknown option, a missing value
         exc.show()
         raise SystemExit(2) from None
+
+
+def refuse_url_passwords(given: Mapping[str, Any], env_prefix: str) -> None:
+    """Exit 2 when an option's URL holds a password (ps shows every command line)."""
     for name, value in given.items():
         if "://" in str(value) and urlsplit(str(value)).password:
             fail(
                 f"--{name.replace('_', '-')}: a password in a URL option shows on the command line "
-                f"to every process of the machine; give it in {env}{name.upper()} or {env}REDIS_PASSWORD"
+                f"to every process of the machine; give it in {env_prefix}{name.upper()} or "
+                f"{env_prefix}REDIS_PASSWORD"
             )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(build: Callable[[], M], option: Callable[[str], str]) -> M:
+    """``build()``; a bad value exits 2 naming it, ``option`` turning the setting's dotted
+    path (``trainer.lr``) into what the user typed."""
+    from pydantic import ValidationError
+
     try:
-        return cls(**given)
+        return build()
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(map(str, err["loc"])) or "settings"
-        fail(f"{where}: {err['msg']}")
+        fail(f"{option(where)}: {err['msg']}")
         raise  # fail() exits
 
 
 def _default(value: Any) -> str:
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
     return "" if value is None or value is PydanticUndefined else f"  [default: {value}]"
 
 
 def _metavar(annotation: Any) -> str:
-    kinds = set(get_args(annotation) or (annotation,)) - {type(None)}
+    union = get_origin(annotation) in (Union, UnionType)
+    kinds = set(get_args(annotation) if union else (annotation,)) - {type(None)}
     names = {int: "INTEGER", float: "FLOAT", bool: "BOOLEAN"}
     return names.get(next(iter(kinds)), "TEXT") if len(kinds) == 1 else "TEXT"
 
 
-def _on_command_line(annotation: Any) -> bool:
+def on_command_line(annotation: Any) -> bool:
     """Not a secret (it would show in ps) and not a nested block."""
-    from pydantic import BaseModel
-
     kinds = get_args(annotation) or (annotation,)
     return not any(
         kind is SecretStr or (isinstance(kind, type) and issubclass(kind, BaseModel))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mempo.settings import configure_logging, fail, quiet_hub
+from mempo.settings import SETTINGS_ARGS, configure_logging, fail, quiet_hub
 from mempo_cli import docs_config
 from services.learner import cli as learner_cli
 from services.retrieval import cli as retrieval_cli
@@ -94,90 +94,30 @@ def world_corpus(
     typer.echo(f"wrote {len(world.passages)} passages to {out}")
 
 
-@app.command("up")
-def up(
-    steps: Annotated[int, typer.Option(min=1, help="training steps to run")] = 30,
-    rollout_replicas: Annotated[int, typer.Option(min=1, max=16, help="CPU engine + worker pairs")] = 1,
-    name: Annotated[str | None, typer.Option(help="run name: runs/<name>/ (default: a timestamp)")] = None,
-    model: Annotated[Path | None, typer.Option(help="policy (HF folder); default: the tiny model, SFT warm-started")] = None,
-    questions: Annotated[str, typer.Option(help='questions per task: "2", "1,2,4" or "1-3"')] = "1",
-    group_size: Annotated[int, typer.Option(min=2, help="rollouts per task (GRPO group)")] = 8,
-    batch_groups: Annotated[int, typer.Option(min=1, help="groups per training step")] = 8,
-    mode: Annotated[str, typer.Option(help="memory (MemPO) | full (full-history baseline)")] = "memory",
-    max_rounds: Annotated[int, typer.Option(min=1)] = 6,
-    max_staleness: Annotated[int, typer.Option(min=0, help="0: fully on-policy")] = 1,
-    lr: Annotated[float, typer.Option(min=0, help="peak learning rate, reached after --warmup-steps")] = 3e-4,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="optimizer steps of linear warmup")] = 0,
-    lr_decay_steps: Annotated[
-        int, typer.Option(min=0, help="train steps of a cosine decay to lr/10 (0: constant lr)")
-    ] = 0,
-    ppo_epochs: Annotated[int, typer.Option(min=1, help="passes over each step's batch (2 mini-batches each)")] = 2,
-    beta_kl: Annotated[float, typer.Option(min=0, help="weight of the KL penalty to the starting policy")] = 0.02,
-    alpha: Annotated[float, typer.Option(min=0, help="memory advantage weight: 0 = plain GRPO, 1 = MemPO")] = 0.0,
-    mem_min_std: Annotated[
-        float | None, typer.Option(min=0, help="memory-advantage pools with a smaller std get none (default 0.05)")
-    ] = None,
-    neg_adv_scale: Annotated[
-        float, typer.Option(min=0, max=1, help="negative advantages are multiplied by this (1: unchanged)")
-    ] = 0.2,
-    mem_loss: Annotated[
-        str, typer.Option(help="<mem> tokens' loss: shared (token-mean with the rest) | span-mean (FoldAct)")
-    ] = "shared",
-    weight_sync: Annotated[
-        str, typer.Option(help="how the engines get each version: disk | broadcast (gloo, SGLang's protocol)")
-    ] = "disk",
-    reward: Annotated[
-        str, typer.Option(help="outcome reward: em (every sub-answer right) | fraction (the share right) | f1")
-    ] = "em",
-    heldout: Annotated[bool, typer.Option(help="score every held-out question before and after RL (greedy)")] = True,
-    seed: Annotated[int, typer.Option(help="sampling, task order and initialisation")] = 0,
-    world_seed: Annotated[int, typer.Option(help="the agent's world; the warm start learns it and the next 7")] = 0,
-    runs_root: Annotated[Path, typer.Option(help="where run folders go")] = Path("runs"),
-    display: Annotated[bool, typer.Option(help="live progress (a table on a terminal)")] = True,
-) -> None:
+@app.command("up", context_settings=SETTINGS_ARGS)
+def up(ctx: typer.Context) -> None:
     """Run the whole training loop on this machine (CPU, no set-up), then plot it.
 
-    The defaults are the recipe that learns on the tiny model (docs/results.md): plain
-    GRPO (--alpha 1 for MemPO's memory advantage) on 1-question tasks, 8 groups of 8
-    rollouts a step, 2 PPO epochs, KL to the starting policy 0.02, negative advantages
-    scaled by 0.2, 30 steps."""
-    import time
+    The defaults are the tiny model's recipe; --help lists every option with its default."""
     from dataclasses import replace
 
     from mempo_cli.launcher.heldout import HELDOUT
-    from mempo_cli.launcher.up import UpOptions, run_up
+    from mempo_cli.launcher.up import run_up
+    from mempo_cli.launcher.up_options import parse_up
     from mempo_cli.launcher.warmstart import WarmStart, warm_started_policy
 
-    if mode not in ("memory", "full"):
-        fail(f"--mode must be memory or full (got {mode!r})")
-    if model is not None and not (model / "config.json").exists():
-        fail(f"--model {model} is not an HF model folder (no config.json)")
-    if neg_adv_scale <= 0:
-        fail("--neg-adv-scale must be above 0")
-    if mem_loss not in ("shared", "span-mean"):
-        fail(f"--mem-loss must be shared or span-mean (got {mem_loss!r})")
-    if weight_sync not in ("disk", "broadcast"):
-        fail(f"--weight-sync must be disk or broadcast (got {weight_sync!r})")
-    if reward not in ("em", "fraction", "f1"):
-        fail(f"--reward must be em, fraction or f1 (got {reward!r})")
+    opts = parse_up(ctx.args)
     quiet_hub()
     configure_logging("WARNING")
-    opts = UpOptions(
-        name=name or time.strftime("up-%Y%m%d-%H%M%S"), steps=steps, rollout_replicas=rollout_replicas,
-        model=model, runs_root=runs_root, questions_per_task=questions, group_size=group_size,
-        batch_groups=batch_groups, mode=mode, max_rounds=max_rounds, max_staleness=max_staleness,
-        lr=lr, warmup_steps=warmup_steps, decay_steps=lr_decay_steps, ppo_epochs=ppo_epochs, beta_kl=beta_kl,
-        alpha=alpha, mem_min_std=mem_min_std, neg_adv_scale=neg_adv_scale, mem_loss=mem_loss, seed=seed,
-        world_seed=world_seed, display=display, weight_sync=weight_sync, reward=reward,
-    )
-    policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=world_seed))
-    check = replace(HELDOUT, world_seed=world_seed)
+    model = opts.model
+    policy = model.resolve() if model else warm_started_policy(WarmStart(world_seed=opts.world_seed))
+    check = replace(HELDOUT, world_seed=opts.world_seed)
     try:
-        start = _heldout(policy, opts.run_dir / "heldout-start", check, cached=model is None) if heldout else None
+        start = _heldout(policy, opts.run_dir / "heldout-start", check, cached=model is None) if opts.heldout else None
         heading = f"held-out EM before RL: {start.em:.3f} ({start.questions} questions, greedy)" if start else ""
         final = run_up(opts, policy, heading)
         end = _heldout(opts.run_dir.resolve() / "weights" / f"v{final.get('version')}",
-                       opts.run_dir / "heldout-end", check, cached=False) if heldout else None
+                       opts.run_dir / "heldout-end", check, cached=False) if opts.heldout else None
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

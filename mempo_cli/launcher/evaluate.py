@@ -26,7 +26,12 @@ from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
 from mempo_cli.launcher.supervisor import Supervisor
 from mempo_cli.launcher.transcripts import count_failures, write_transcripts
+from mempo_cli.launcher.up import ONE_THREAD, local_url
 from mempo_sim.world import World, WorldConfig
+from services.retrieval.settings import RetrievalSettings
+from services.rollout.engine.settings import EngineSettings
+from services.rollout.settings import WorkerSettings
+from services.scorer.settings import ScorerSettings
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,12 @@ class EvalOptions:
     score: bool = False  # also report P_mem / P_full (starts the scorer)
     concurrency: int = 8
     max_new_tokens: int = 256
-    engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
-    every_question: bool = False  # k = 1: every distinct question of the split once (``tasks`` unused)
+    engine_url: str | None = (
+        None  # a running engine serving the policy (no trailing /); None: start a CPU one
+    )
+    every_question: bool = (
+        False  # k = 1: every distinct question of the split once (``tasks`` unused)
+    )
     transcripts: int = 0  # decoded episodes written per mode and k (mempo_cli.launcher.transcripts)
 
 
@@ -83,8 +92,13 @@ def full_history_figures(tok: Any, groups: list[Group]) -> dict[str, float]:
         prompt, total, peak = first_prompt_ids(tok, group.task.questions), 0, 0
         for rnd in group.trajectories[0].rounds:
             response = rnd.response_ids.tolist()
-            total, peak = total + len(prompt) + len(response), max(peak, len(prompt) + len(response))
-            prompt = full_next_prompt_ids(prompt, response, information_ids(tok, rnd.information or ""))
+            total, peak = (
+                total + len(prompt) + len(response),
+                max(peak, len(prompt) + len(response)),
+            )
+            prompt = full_next_prompt_ids(
+                prompt, response, information_ids(tok, rnd.information or "")
+            )
         totals.append(total)
         peaks.append(peak)
     return {
@@ -94,7 +108,9 @@ def full_history_figures(tok: Any, groups: list[Group]) -> dict[str, float]:
     }
 
 
-async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score: bool) -> list[Group]:
+async def run_tasks(
+    worker_url: str, tasks: list[Task], concurrency: int, score: bool
+) -> list[Group]:
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
 
@@ -103,7 +119,9 @@ async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score:
                 body = {"task": json.loads(task.model_dump_json()), "score": score}
                 response = await http.post(f"{worker_url}/v1/episodes", json=body)
                 if response.status_code != 200:
-                    raise RuntimeError(f"/v1/episodes: HTTP {response.status_code}: {response.text[:300]}")
+                    raise RuntimeError(
+                        f"/v1/episodes: HTTP {response.status_code}: {response.text[:300]}"
+                    )
                 return Group.model_validate_json(response.text)
 
         return list(await asyncio.gather(*(one(t) for t in tasks)))
@@ -123,34 +141,26 @@ def eval_tasks(opts: EvalOptions, k: int, mode: str) -> list[Task]:
 def start_eval_services(sup: Supervisor, model: Path, opts: EvalOptions) -> str:
     """Retrieval, engine (unless ``opts.engine_url``), (scorer), worker in HTTP-only mode;
     returns the worker's URL."""
-    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    ports = {n: free_port() for n in ("retrieval", "engine", "scorer", "worker")}
-    url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
-    first = [
-        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"],
-                  env={**one, "MEMPO_RETRIEVAL_PORT": str(ports["retrieval"]),
-                       "MEMPO_RETRIEVAL_WORLD_SEED": str(opts.world_seed)}),
-    ]
-    if opts.engine_url:
-        url["engine"] = opts.engine_url
-    else:
-        first.append(sup.start("engine", ["mempo", "rollout", "engine"], url=url["engine"],
-                               env={**one, "MEMPO_ENGINE_PORT": str(ports["engine"]),
-                                    "MEMPO_ENGINE_MODEL_PATH": str(model), "MEMPO_ENGINE_THREADS": "1"}))
+    retrieval = RetrievalSettings(port=free_port(), world_seed=opts.world_seed)
+    first = [sup.start_service("retrieval", "retrieval serve", retrieval, ONE_THREAD)]
+    engine_url = opts.engine_url
+    if engine_url is None:
+        engine = EngineSettings(port=free_port(), model_path=str(model), threads=1)
+        first.append(sup.start_service("engine", "rollout engine", engine, ONE_THREAD))
+        engine_url = local_url(engine.port)
+    scorer_url = ""
     if opts.score:
-        first.append(sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"],
-                               env={**one, "MEMPO_SCORER_PORT": str(ports["scorer"]),
-                                    "MEMPO_SCORER_MODEL_PATH": str(model)}))
+        scorer = ScorerSettings(port=free_port(), model_path=str(model))
+        first.append(sup.start_service("scorer", "scorer serve", scorer, ONE_THREAD))
+        scorer_url = local_url(scorer.port)
     sup.wait_ready(first)
-    worker = sup.start("worker", ["mempo", "rollout", "worker"], url=url["worker"], env={
-        **one, "MEMPO_ROLLOUT_PORT": str(ports["worker"]), "MEMPO_ROLLOUT_REDIS_URL": "",
-        "MEMPO_ROLLOUT_CONSUME": "false", "MEMPO_ROLLOUT_ENGINE_URL": url["engine"],
-        "MEMPO_ROLLOUT_RETRIEVAL_URL": url["retrieval"], "MEMPO_ROLLOUT_SCORER_URL": url["scorer"] if opts.score else "",
-        "MEMPO_ROLLOUT_TEMPERATURE": "0", "MEMPO_ROLLOUT_TOKENIZER_PATH": str(model),
-        "MEMPO_ROLLOUT_MAX_NEW_TOKENS": str(opts.max_new_tokens),
-    })
-    sup.wait_ready([worker])
-    return url["worker"]
+    worker = WorkerSettings(
+        port=free_port(), redis_url="", consume=False, engine_url=engine_url, scorer_url=scorer_url,
+        retrieval_url=local_url(retrieval.port), temperature=0.0, tokenizer_path=str(model),
+        max_new_tokens=opts.max_new_tokens,
+    )  # fmt: skip
+    sup.wait_ready([sup.start_service("worker", "rollout worker", worker, ONE_THREAD)])
+    return local_url(worker.port)
 
 
 def check_engine(engine_url: str) -> None:
@@ -160,7 +170,9 @@ def check_engine(engine_url: str) -> None:
         reply.raise_for_status()
         info = reply.json()
     except (httpx.HTTPError, ValueError) as exc:  # unreachable, an error status, not JSON
-        raise RuntimeError(f"the engine at {engine_url} does not answer /model_info: {exc}") from None
+        raise RuntimeError(
+            f"the engine at {engine_url} does not answer /model_info: {exc}"
+        ) from None
     served = info.get("model_path") if isinstance(info, dict) else None
     log.info("evaluating on the engine at %s (serving %s)", engine_url, served)
 
@@ -181,7 +193,9 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
         worker = start_eval_services(sup, model, opts)
         for mode in opts.modes:
             for k in opts.ks:
-                groups = asyncio.run(run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score))
+                groups = asyncio.run(
+                    run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score)
+                )
                 results[mode][str(k)] = summarize(groups)
                 if mode == "memory":
                     results[mode][str(k)] |= full_history_figures(tok, groups)
@@ -189,7 +203,9 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
                 if opts.transcripts:
                     write_transcripts(run_dir / f"transcripts-{mode}-k{k}.md", world, tok,
                                       groups[: opts.transcripts], f"{model}: {mode} mode, k = {k}")  # fmt: skip
-                log.info("eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)])
+                log.info(
+                    "eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)]
+                )
     return {"model": str(model), "split": opts.split, "results": results, "failures": failures}
 
 
@@ -202,10 +218,22 @@ def plot_eval(report: dict[str, Any], out: Path) -> Path:
     fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for mode, by_k in report["results"].items():
         ks = sorted(by_k, key=int)
-        ax_em.plot([int(k) for k in ks], [by_k[k]["em"] for k in ks], marker="o", label=f"{mode} EM")
-        ax_tok.plot([int(k) for k in ks], [by_k[k]["tokens_per_task"] for k in ks], marker="o", label=f"{mode} total")
-        ax_tok.plot([int(k) for k in ks], [by_k[k]["peak_tokens"] for k in ks], marker="x", linestyle="--",
-                    label=f"{mode} peak")
+        ax_em.plot(
+            [int(k) for k in ks], [by_k[k]["em"] for k in ks], marker="o", label=f"{mode} EM"
+        )
+        ax_tok.plot(
+            [int(k) for k in ks],
+            [by_k[k]["tokens_per_task"] for k in ks],
+            marker="o",
+            label=f"{mode} total",
+        )
+        ax_tok.plot(
+            [int(k) for k in ks],
+            [by_k[k]["peak_tokens"] for k in ks],
+            marker="x",
+            linestyle="--",
+            label=f"{mode} peak",
+        )
     ax_em.set(title="Exact match", xlabel="questions per task", ylim=(-0.02, 1.02))
     ax_tok.set(title="Tokens per task", xlabel="questions per task", yscale="log")
     for ax in (ax_em, ax_tok):

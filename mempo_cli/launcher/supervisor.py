@@ -19,6 +19,8 @@ from types import FrameType, TracebackType
 
 import httpx
 
+from mempo.settings import ServiceSettings, settings_env
+
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +76,16 @@ class Supervisor:
         log.info("started %s (pid %d), log %s", name, child.proc.pid, log_path)
         return child
 
+    def start_service(
+        self, name: str, command: str, settings: ServiceSettings, env: dict[str, str] | None = None
+    ) -> Child:
+        """``mempo <command>`` (``"scorer serve"``) with ``settings`` as its environment
+        (``mempo.settings.settings_env``) over ``env``, ready at its port on loopback."""
+        env = {**(env or {}), **settings_env(settings)}
+        return self.start(
+            name, ["mempo", *command.split()], env, f"http://127.0.0.1:{settings.port}"
+        )
+
     def restart(self, child: Child, timeout_s: float = 15.0) -> Child:
         """Stop ``child`` if it still runs, then start it again: same command, environment
         and log file (appended to). The ``Child`` object is kept, with its new process."""
@@ -108,7 +120,9 @@ class Supervisor:
                         pass
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(c.name for c in pending)
-                    raise ChildFailed(f"not ready after {timeout_s:.0f}s: {names} (logs in {self.run_dir / 'logs'})")
+                    raise ChildFailed(
+                        f"not ready after {timeout_s:.0f}s: {names} (logs in {self.run_dir / 'logs'})"
+                    )
                 if pending:
                     time.sleep(0.2)
 
@@ -143,7 +157,10 @@ class Supervisor:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop_all()
         for sig, handler in self._previous_handlers.items():

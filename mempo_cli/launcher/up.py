@@ -13,55 +13,144 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mempo.procs import RedisServer, free_port
+from mempo.settings import ServiceSettings, merged
 from mempo_cli.launcher.progress import Progress, Snapshot
 from mempo_cli.launcher.supervisor import Child, ChildFailed, Supervisor
+from services.learner.settings import LearnerSettings
+from services.retrieval.settings import RetrievalSettings
+from services.rollout.engine.settings import EngineSettings
+from services.rollout.settings import WorkerSettings
+from services.scorer.settings import ScorerSettings
 
 log = logging.getLogger(__name__)
 
+SERVICES: dict[str, type[ServiceSettings]] = {
+    "retrieval": RetrievalSettings,
+    "scorer": ScorerSettings,
+    "engine": EngineSettings,
+    "worker": WorkerSettings,
+    "learner": LearnerSettings,
+}
+PRESET = "tiny"  # the learner's and the workers' recipe (their settings' PRESETS)
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # every child but the learner
 
-@dataclass
-class UpOptions:
-    name: str
-    steps: int = 20
-    rollout_replicas: int = 1
-    model: Path | None = None  # None: the tiny model, SFT warm-started
-    runs_root: Path = Path("runs")
-    questions_per_task: str = "1-2"
-    group_size: int = 8
-    batch_groups: int = 4
-    mode: str = "memory"
-    max_rounds: int = 6
-    max_new_tokens: int = 256  # per round (the worker's default, 512, suits real models)
-    max_staleness: int = 1
-    lr: float | None = None
-    warmup_steps: int | None = None
-    decay_steps: int | None = None  # train steps of a cosine LR decay (0: constant LR)
-    ppo_epochs: int | None = None  # passes over each step's batch
-    beta_kl: float | None = None  # weight of the KL penalty to the reference (the starting policy)
-    alpha: float | None = None  # memory advantage weight (0: plain GRPO)
-    mem_min_std: float | None = None  # pools with a smaller std: no memory advantage
-    neg_adv_scale: float | None = None  # negative advantages multiplied by this
-    mem_loss: str | None = None  # shared | span-mean: how the <mem> tokens' loss is aggregated
-    weight_sync: str = "disk"  # disk | broadcast: how the rollout engines get each version
-    reward: str | None = None  # em | fraction | f1: the workers' outcome reward (None: theirs, em)
+
+class UpOptions(BaseModel):
+    """``mempo up``'s own options; every other one is a service's setting (``given``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(default_factory=lambda: time.strftime("up-%Y%m%d-%H%M%S"), min_length=1)
+    """Run name: runs/<name>/ (default: a timestamp)."""
+
+    model: Path | None = None
+    """Policy (HF folder); default: the tiny model, SFT warm-started."""
+
+    rollout_replicas: int = Field(default=1, ge=1, le=16)
+    """CPU engine + worker pairs."""
+
+    heldout: bool = True
+    """Score every held-out question before and after RL (greedy)."""
+
     seed: int = 0
-    world_seed: int = 0  # the agent's world (retrieval's corpus, the learner's tasks)
+    """Sampling, task order and initialisation."""
+
+    world_seed: int = 0
+    """The agent's world; the warm start learns it and the next 7."""
+
+    runs_root: Path = Path("runs")
+    """Where run folders go."""
+
     display: bool = True
-    extra_env: dict[str, str] = field(default_factory=dict)  # every child: under the defaults
-    # Per service ("retrieval", "scorer", "engine", "worker", "learner"): over the defaults.
-    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    ready_timeout_s: float = 300.0
+    """Live progress (a table on a terminal)."""
+
+    ready_timeout_s: float = Field(default=300.0, gt=0)
+    """How long a service may take to become ready."""
+
+    given: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Settings per service (SERVICES' names), over what the launcher sets."""
+
+    @field_validator("model")
+    @classmethod
+    def _hf_folder(cls, model: Path | None) -> Path | None:
+        if model is not None and not (model / "config.json").exists():
+            raise ValueError(f"{model} is not an HF model folder (no config.json)")
+        return model
 
     @property
     def run_dir(self) -> Path:
         return self.runs_root / self.name
+
+
+def service_settings(opts: UpOptions, service: str, **values: Any) -> Any:
+    """``service``'s settings: what ``opts.given`` names for it over the launcher's
+    ``values``, over the tiny preset where the service has one; the environment's
+    ``MEMPO_*`` variables over the preset too, as in any service process."""
+    cls = SERVICES[service]
+    base = {"preset": PRESET, **values} if "preset" in cls.model_fields else values
+    return cls(**merged(base, opts.given.get(service, {})))
+
+
+@dataclass
+class Plan:
+    """Every child's settings, built here and handed over as its environment."""
+
+    retrieval: RetrievalSettings
+    scorer: ScorerSettings
+    engines: list[EngineSettings]
+    workers: list[WorkerSettings]
+    learner: LearnerSettings
+
+
+def local_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def plan(opts: UpOptions, model: Path, redis_url: str) -> Plan:
+    """The settings of every service of the run. One secret per service, given only to the
+    children that need it: the scorer's and the workers' tokens (the learner holds both),
+    each engine's own key (its worker alone holds it: the learner updates an engine through
+    its worker)."""
+    run = opts.run_dir.resolve()
+    weights = str(run / "weights")
+    redis = {"redis_url": redis_url}
+    if os.environ.get("MEMPO_REDIS_URL"):  # a shared Redis: one key prefix per run
+        redis["key_prefix"] = f"mempo:{opts.name}:"
+    scorer_token, worker_token = secrets.token_hex(16), secrets.token_hex(16)
+    retrieval = service_settings(opts, "retrieval", port=free_port(), world_seed=opts.world_seed)
+    scorer_port = free_port()
+    scorer = service_settings(
+        opts, "scorer", port=scorer_port, model_path=str(model), weights_root=weights,
+        admin_token=scorer_token, public_url=local_url(scorer_port), engine_id="scorer-0", **redis,
+    )  # fmt: skip
+    learner = service_settings(
+        opts, "learner", port=free_port(), model_path=str(model), run_dir=run,
+        checkpoint_dir=run / "checkpoints", weights_root=weights, worker_admin_token=worker_token,
+        scorer_admin_token=scorer_token, task_seed=opts.seed, world_seed=opts.world_seed,
+        trainer={"seed": opts.seed}, **redis,
+    )  # fmt: skip
+    engines, workers = [], []
+    for i in range(opts.rollout_replicas):
+        key, port = secrets.token_hex(16), free_port()
+        engines.append(service_settings(
+            opts, "engine", port=free_port(), model_path=str(model), weights_root=weights,
+            admin_token=key, threads=1, seed=opts.seed + i,
+        ))  # fmt: skip
+        workers.append(service_settings(
+            opts, "worker", port=port, worker_id=f"worker-{i}", engine_url=local_url(engines[-1].port),
+            engine_admin_token=key, admin_token=worker_token, retrieval_url=local_url(retrieval.port),
+            scorer_url=local_url(scorer_port) if learner.mode == "memory" else "",
+            public_url=local_url(port), tokenizer_path=str(model), **redis,
+        ))  # fmt: skip
+    return Plan(retrieval, scorer, engines, workers, learner)
 
 
 @dataclass
@@ -74,96 +163,41 @@ class Endpoints:
     prefix: str = "mempo:"  # the run's Redis key prefix
 
 
-def _env(base: dict[str, str], **values: object) -> dict[str, str]:
-    return {**base, **{k: str(v) for k, v in values.items() if v is not None}}
-
-
-def _over(opts: UpOptions, service: str, env: dict[str, str]) -> dict[str, str]:
-    return {**env, **opts.service_env.get(service, {})}
-
-
 def start_services(sup: Supervisor, opts: UpOptions, model: Path, redis_url: str) -> Endpoints:
     """Start every service as a child process and wait until all are ready."""
-    run = opts.run_dir.resolve()
-    # One secret per service, only in the environments of the children that need it: the
-    # scorer's and the workers' tokens (the learner holds both), each engine's own key
-    # (its worker alone holds it: the learner updates an engine through its worker).
-    scorer_token, worker_token = secrets.token_hex(16), secrets.token_hex(16)
-    weights = run / "weights"
-    weights.mkdir(parents=True, exist_ok=True)
-    prefix = "mempo:" if not os.environ.get("MEMPO_REDIS_URL") else f"mempo:{opts.name}:"
-    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **opts.extra_env}
-    ports = {name: free_port() for name in ("retrieval", "scorer", "learner")}
-    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-
+    p = plan(opts, model, redis_url)
+    (opts.run_dir.resolve() / "weights").mkdir(parents=True, exist_ok=True)
     first: list[Child] = [
-        sup.start("retrieval", ["mempo", "retrieval", "serve"], url=url["retrieval"], env=_over(
-            opts, "retrieval", _env(one_thread, MEMPO_RETRIEVAL_PORT=ports["retrieval"],
-            MEMPO_RETRIEVAL_WORLD_SEED=opts.world_seed))),
-        sup.start("scorer", ["mempo", "scorer", "serve"], url=url["scorer"], env=_over(opts, "scorer", _env(
-            one_thread, MEMPO_SCORER_PORT=ports["scorer"], MEMPO_SCORER_MODEL_PATH=model,
-            MEMPO_SCORER_WEIGHTS_ROOT=weights, MEMPO_SCORER_ADMIN_TOKEN=scorer_token,
-            MEMPO_SCORER_REDIS_URL=redis_url, MEMPO_SCORER_KEY_PREFIX=prefix,
-            MEMPO_SCORER_PUBLIC_URL=url["scorer"], MEMPO_SCORER_ENGINE_ID="scorer-0"))),
+        sup.start_service("retrieval", "retrieval serve", p.retrieval, ONE_THREAD),
+        sup.start_service("scorer", "scorer serve", p.scorer, ONE_THREAD),
+        *(
+            sup.start_service(f"engine-{i}", "rollout engine", e, ONE_THREAD)
+            for i, e in enumerate(p.engines)
+        ),
     ]
-    engines, workers = [], []
-    engine_keys = [secrets.token_hex(16) for _ in range(opts.rollout_replicas)]
-    for i in range(opts.rollout_replicas):
-        port = free_port()
-        engines.append(f"http://127.0.0.1:{port}")
-        first.append(sup.start(f"engine-{i}", ["mempo", "rollout", "engine"], url=engines[-1], env=_over(
-            opts, "engine", _env(
-                one_thread, MEMPO_ENGINE_PORT=port, MEMPO_ENGINE_MODEL_PATH=model,
-                MEMPO_ENGINE_HOST="127.0.0.1", MEMPO_ENGINE_WEIGHTS_ROOT=weights,
-                MEMPO_ENGINE_ADMIN_TOKEN=engine_keys[i],
-                MEMPO_ENGINE_THREADS=1, MEMPO_ENGINE_SEED=opts.seed + i))))
     sup.wait_ready(first, opts.ready_timeout_s)
-
-    second: list[Child] = []
-    for i, engine in enumerate(engines):
-        port = free_port()
-        workers.append(f"http://127.0.0.1:{port}")
-        second.append(sup.start(f"worker-{i}", ["mempo", "rollout", "worker"], url=workers[-1], env=_over(
-            opts, "worker", _env(
-                one_thread, MEMPO_ROLLOUT_PORT=port, MEMPO_ROLLOUT_REDIS_URL=redis_url,
-                MEMPO_ROLLOUT_KEY_PREFIX=prefix, MEMPO_ROLLOUT_WORKER_ID=f"worker-{i}",
-                MEMPO_ROLLOUT_ENGINE_URL=engine, MEMPO_ROLLOUT_ENGINE_ADMIN_TOKEN=engine_keys[i],
-                MEMPO_ROLLOUT_ADMIN_TOKEN=worker_token,
-                MEMPO_ROLLOUT_RETRIEVAL_URL=url["retrieval"],
-                MEMPO_ROLLOUT_SCORER_URL=url["scorer"] if opts.mode == "memory" else "",
-                MEMPO_ROLLOUT_PUBLIC_URL=workers[-1], MEMPO_ROLLOUT_TOKENIZER_PATH=model,
-                MEMPO_ROLLOUT_CLAIM_IDLE_MS=60_000, MEMPO_ROLLOUT_MAX_NEW_TOKENS=opts.max_new_tokens,
-                MEMPO_ROLLOUT_REWARD_KIND=opts.reward))))
-    learner_env = _env(
-        opts.extra_env, MEMPO_LEARNER_PORT=ports["learner"], MEMPO_LEARNER_REDIS_URL=redis_url,
-        MEMPO_LEARNER_KEY_PREFIX=prefix, MEMPO_LEARNER_MODEL_PATH=model, MEMPO_LEARNER_RUN_DIR=run,
-        MEMPO_LEARNER_CHECKPOINT_DIR=run / "checkpoints", MEMPO_LEARNER_WEIGHTS_ROOT=weights,
-        MEMPO_LEARNER_WORKER_ADMIN_TOKEN=worker_token, MEMPO_LEARNER_SCORER_ADMIN_TOKEN=scorer_token,
-        MEMPO_LEARNER_TOTAL_STEPS=opts.steps,
-        MEMPO_LEARNER_QUESTIONS_PER_TASK=opts.questions_per_task, MEMPO_LEARNER_GROUP_SIZE=opts.group_size,
-        MEMPO_LEARNER_BATCH_GROUPS=opts.batch_groups, MEMPO_LEARNER_MODE=opts.mode,
-        MEMPO_LEARNER_MAX_ROUNDS=opts.max_rounds, MEMPO_LEARNER_MAX_STALENESS=opts.max_staleness,
-        MEMPO_LEARNER_TASK_SEED=opts.seed, MEMPO_LEARNER_WORLD_SEED=opts.world_seed,
-        MEMPO_LEARNER_TRAINER__LR=opts.lr,
-        MEMPO_LEARNER_TRAINER__WARMUP_STEPS=opts.warmup_steps,
-        MEMPO_LEARNER_TRAINER__DECAY_STEPS=opts.decay_steps, MEMPO_LEARNER_TRAINER__PPO_EPOCHS=opts.ppo_epochs,
-        MEMPO_LEARNER_TRAINER__BETA_KL=opts.beta_kl,
-        MEMPO_LEARNER_TRAINER__ALPHA=opts.alpha, MEMPO_LEARNER_TRAINER__SEED=opts.seed,
-        MEMPO_LEARNER_TRAINER__MEM_MIN_STD=opts.mem_min_std,
-        MEMPO_LEARNER_TRAINER__NEG_ADV_SCALE=opts.neg_adv_scale,
-        MEMPO_LEARNER_TRAINER__MEM_LOSS=opts.mem_loss, MEMPO_LEARNER_WEIGHT_SYNC=opts.weight_sync,
-    )
-    second.append(sup.start("learner", ["mempo", "learner", "serve"], url=url["learner"],
-                            env=_over(opts, "learner", learner_env)))
+    second = [
+        *(
+            sup.start_service(f"worker-{i}", "rollout worker", w, ONE_THREAD)
+            for i, w in enumerate(p.workers)
+        ),
+        sup.start_service("learner", "learner serve", p.learner),
+    ]
     sup.wait_ready(second, opts.ready_timeout_s)
-    return Endpoints(url["retrieval"], url["scorer"], url["learner"], engines, workers, prefix)
+    return Endpoints(
+        local_url(p.retrieval.port), local_url(p.scorer.port), local_url(p.learner.port),
+        [local_url(e.port) for e in p.engines], [local_url(w.port) for w in p.workers], p.learner.key_prefix,
+    )  # fmt: skip
 
 
 def snapshot(http: httpx.Client, ends: Endpoints) -> Snapshot:
     """Read the learner's status and every engine's weight version."""
     status = http.get(f"{ends.learner}/v1/status").json()
     versions = {}
-    for name, base in [("scorer", ends.scorer), *[(f"engine-{i}", u) for i, u in enumerate(ends.engines)]]:
+    for name, base in [
+        ("scorer", ends.scorer),
+        *[(f"engine-{i}", u) for i, u in enumerate(ends.engines)],
+    ]:
         try:
             versions[name] = str(http.get(f"{base}/model_info").json().get("weight_version"))
         except (httpx.HTTPError, ValueError):
@@ -171,7 +205,9 @@ def snapshot(http: httpx.Client, ends: Endpoints) -> Snapshot:
     return Snapshot(status=status, versions=versions, at=time.monotonic())
 
 
-def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progress) -> dict[str, Any]:
+def monitor(
+    sup: Supervisor, ends: Endpoints, opts: UpOptions, steps: int, progress: Progress
+) -> dict[str, Any]:
     """Show progress until the learner is done; returns its final status."""
     with httpx.Client(timeout=5.0) as http:
         while True:
@@ -185,10 +221,12 @@ def monitor(sup: Supervisor, ends: Endpoints, opts: UpOptions, progress: Progres
             progress.update(snap)
             state = snap.status.get("state")
             if state == "failed":
-                raise ChildFailed(f"the learner failed: {snap.status.get('error')} (log: {opts.run_dir / 'logs' / 'learner.log'})")
+                raise ChildFailed(
+                    f"the learner failed: {snap.status.get('error')} (log: {opts.run_dir / 'logs' / 'learner.log'})"
+                )
             # Done: the learner says so, or has taken its steps and every engine has the last version.
             caught_up = all(v == str(snap.status.get("version")) for v in snap.versions.values())
-            if state == "finished" or (snap.status.get("step", 0) >= opts.steps and caught_up):
+            if state == "finished" or (snap.status.get("step", 0) >= steps and caught_up):
                 return dict(snap.status)
             time.sleep(1.0)
 
@@ -201,15 +239,21 @@ def run_up(opts: UpOptions, model: Path, heading: str = "") -> dict[str, Any]:
     redis: RedisServer | None = None
     redis_url = os.environ.get("MEMPO_REDIS_URL")
     started = time.monotonic()
+    steps = service_settings(opts, "learner").total_steps
     try:
         if not redis_url:
-            redis = RedisServer(run / "redis", appendonly=True, password=secrets.token_hex(16)).start()
+            redis = RedisServer(
+                run / "redis", appendonly=True, password=secrets.token_hex(16)
+            ).start()
             redis_url = redis.url
-        with Supervisor(run) as sup, Progress(opts.steps, enabled=opts.display, heading=heading) as progress:
+        with (
+            Supervisor(run) as sup,
+            Progress(steps, enabled=opts.display, heading=heading) as progress,
+        ):
             progress.note(f"starting services (logs in {run / 'logs'})")
             ends = start_services(sup, opts, model, redis_url)
             progress.note("all services ready; training")
-            final = monitor(sup, ends, opts, progress)
+            final = monitor(sup, ends, opts, steps, progress)
             progress.note("done; stopping services")
     finally:
         if redis is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from mempo.settings import SETTINGS_ARGS
+from mempo.settings import SETTINGS_ARGS, fail
 
 app = typer.Typer(help="The learner service.", no_args_is_help=True)
 
@@ -54,69 +56,112 @@ def follower_rank() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
 
 
-def sft(
-    out: Path = typer.Option(..., help="output folder: an HF checkpoint usable as the policy"),
-    model: str | None = typer.Option(None, help="base model folder (default: the tiny model)"),
-    data: Path | None = typer.Option(None, help="jsonl of rendered rounds (default: oracle trajectories)"),
-    steps: int | None = typer.Option(None, min=1, help="optimizer steps (default: --epochs passes)"),
-    epochs: float = typer.Option(3.0, min=0.01, help="passes over the data when --steps is unset"),
-    lr: float = typer.Option(1e-3, min=0.0, help="peak learning rate (1e-5 for 7B-class models)"),
-    tasks: int = typer.Option(64, min=1, help="oracle tasks per mode"),
-    k: str = typer.Option(
-        "1", help='questions per task: "2", "1,2,4" or "1-3" (--tasks of each; "1,2,2": twice as many of 2)'
-    ),
-    mode: str = typer.Option("memory", help="memory | full | both"),
-    seed: int = typer.Option(0, help="data order and task seed"),
-    world_seed: int = typer.Option(0, help="seed of the synthetic world"),
-    worlds: int = typer.Option(1, min=1, help="oracle data from this many worlds (seeds world_seed, +1, ...)"),
-    copy_weight: float = typer.Option(
-        1.0, help="loss weight of the <mem>, <search> and <answer> contents (the copied values) against 1"
-    ),
-    memory_subjects: bool = typer.Option(
-        False, "--memory-subjects", help="the oracle's memory keeps each open question's subject (Q2: Roqua > ?)"
-    ),
-    device: str = typer.Option("cpu", help="torch device"),
-) -> None:
-    """SFT warm start: train on response tokens only, write an HF checkpoint."""
-    import json
-    from typing import Any
+def _parse_ks(value: Any) -> Any:
+    from services.learner.settings import parse_ks
 
-    from pydantic import ValidationError
+    return parse_ks(value) if isinstance(value, (str, int)) else value
+
+
+class SftCommand(BaseModel):
+    """``mempo sft``'s options besides the training's own (SftConfig's fields)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    out: Path
+    """Output folder: an HF checkpoint usable as the policy."""
+
+    model: str | None = None
+    """Base model folder (default: the tiny model)."""
+
+    data: Path | None = None
+    """jsonl of rendered rounds (default: oracle trajectories)."""
+
+    tasks: int = Field(default=64, ge=1)
+    """Oracle tasks per mode."""
+
+    k: Annotated[list[int], BeforeValidator(_parse_ks)] = [1]
+    """Questions per task: "2", "1,2,4" or "1-3" (--tasks of each; "1,2,2": twice as many of 2)."""
+
+    mode: Literal["memory", "full", "both"] = "memory"
+    """memory | full | both."""
+
+    world_seed: int = 0
+    """Seed of the synthetic world."""
+
+    worlds: int = Field(default=1, ge=1)
+    """Oracle data from this many worlds (seeds world_seed, +1, ...)."""
+
+    memory_subjects: bool = False
+    """The oracle's memory keeps each open question's subject (Q2: Roqua > ?)."""
+
+    device: str = "cpu"
+    """Torch device."""
+
+    @field_validator("k")
+    @classmethod
+    def _check_k(cls, ks: list[int]) -> list[int]:
+        if not ks or not all(1 <= n <= 64 for n in ks):
+            raise ValueError(f"every number of questions must be 1..64 (got {ks})")
+        return ks
+
+    @field_validator("data")
+    @classmethod
+    def _data_file(cls, data: Path | None) -> Path | None:
+        if data is not None and not data.is_file():
+            raise ValueError(f"{data} is not a file")
+        return data
+
+
+def sft(ctx: typer.Context) -> None:
+    """SFT warm start: train on response tokens only, write an HF checkpoint (--help: every
+    option, SftConfig's among them)."""
+    import json
+
     from transformers import AutoTokenizer
 
-    from mempo.settings import configure_logging, fail, quiet_hub
+    from mempo.settings import (
+        command_options,
+        configure_logging,
+        quiet_hub,
+        read_options,
+        validated,
+    )
     from mempo_sim.tiny import default_cache_dir, ensure_tiny
-    from services.learner.settings import parse_ks
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
 
-    if mode not in ("memory", "full", "both"):
-        fail(f"--mode must be memory, full or both (got {mode!r})")
-    if data is not None and not data.is_file():
-        fail(f"--data {data} is not a file")
-    try:
-        ks = parse_ks(k)
-    except ValueError as exc:
-        fail(f"--k: {exc}")
-    if not ks or not all(1 <= n <= 64 for n in ks):
-        fail(f"--k: every number of questions must be 1..64 (got {k!r})")
-    try:
-        config = SftConfig(lr=lr, steps=steps, epochs=epochs, seed=seed, copy_weight=copy_weight)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        fail(f"--{'.'.join(map(str, err['loc']))}: {err['msg']}")
+    params = command_options(SftCommand) + command_options(SftConfig)
+    given = read_options(
+        "mempo sft", params, ctx.args, "SFT warm start: train on response tokens only."
+    )
+    option = lambda where: f"--{where.replace('_', '-')}"  # noqa: E731
+    cmd = validated(
+        lambda: SftCommand(**{k: v for k, v in given.items() if k in SftCommand.model_fields}),
+        option,
+    )
+    config = validated(
+        lambda: SftConfig(**{k: v for k, v in given.items() if k in SftConfig.model_fields}), option
+    )
     quiet_hub()
     configure_logging()
-    model_path = model or str(ensure_tiny(default_cache_dir()))
+    model_path = cmd.model or str(ensure_tiny(default_cache_dir()))
     tok: Any = AutoTokenizer.from_pretrained(model_path)
     try:
-        sequences = (
-            jsonl_sequences(tok, data)
-            if data is not None
-            else oracle_sequences(tok, tasks, ks, mode, world_seed, seed, worlds, memory_subjects)  # type: ignore[arg-type]
-        )
+        if cmd.data is not None:
+            sequences = jsonl_sequences(tok, cmd.data)
+        else:
+            sequences = oracle_sequences(
+                tok,
+                cmd.tasks,
+                cmd.k,
+                cmd.mode,
+                cmd.world_seed,
+                config.seed,
+                cmd.worlds,
+                cmd.memory_subjects,
+            )
     except ValueError as exc:
         fail(str(exc))
-    report = train_sft(model_path, sequences, out, config, device)
+    report = train_sft(model_path, sequences, cmd.out, config, cmd.device)
     typer.echo(json.dumps({
         "out": str(report.out_dir), "steps": report.steps, "sequences": report.sequences,
         "first_loss": report.first_loss, "last_loss": report.last_loss, "tokens_per_s": report.tokens_per_s,
@@ -125,4 +170,4 @@ def sft(
 
 def register_top_level(root: typer.Typer) -> None:
     """Top-level commands implemented here: ``mempo sft``."""
-    root.command("sft")(sft)
+    root.command("sft", context_settings=SETTINGS_ARGS)(sft)

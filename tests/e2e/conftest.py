@@ -15,19 +15,20 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.system import System, running_system
 
-FAULT_ENV: dict[str, dict[str, str]] = {
+FAULT_SETTINGS: dict[str, dict[str, Any]] = {
     "worker": {
-        "MEMPO_ROLLOUT_CLAIM_IDLE_MS": "3000",  # a dead worker's task is reclaimed after 3 s
-        "MEMPO_ROLLOUT_MAX_CONCURRENT_TASKS": "1",  # one task per worker: both workers get work
-        "MEMPO_ROLLOUT_MAX_DELIVERIES": "6",  # a scorer outage costs a task some deliveries
-        "MEMPO_ROLLOUT_REGISTRY_TTL_S": "3",
+        "claim_idle_ms": 3000,  # a dead worker's task is reclaimed after 3 s
+        "max_concurrent_tasks": 1,  # one task per worker: both workers get work
+        "max_deliveries": 6,  # a scorer outage costs a task some deliveries
+        "registry_ttl_s": 3,
     },
-    "learner": {"MEMPO_LEARNER_PUBLISH_TIMEOUT_S": "60"},
+    "learner": {"publish_timeout_s": 60},
 }
 
 
@@ -50,5 +51,5 @@ def trained_system(e2e_root: Path, tiny_model_dir: Path) -> Iterator[System]:
 
 @pytest.fixture(scope="module")
 def fault_system(e2e_root: Path, tiny_model_dir: Path) -> Iterator[System]:
-    with running_system(e2e_root, tiny_model_dir, steps=100_000, service_env=FAULT_ENV) as system:
+    with running_system(e2e_root, tiny_model_dir, steps=100_000, given=FAULT_SETTINGS) as system:
         yield system

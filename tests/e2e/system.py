@@ -23,6 +23,7 @@ import redis
 
 from mempo.keys import LEARNER_GROUP, ROLLOUT_GROUP, Keys
 from mempo.procs import RedisServer
+from mempo.settings import merged
 from mempo_cli.launcher.supervisor import Child, Supervisor
 from mempo_cli.launcher.up import Endpoints, UpOptions, start_services
 
@@ -31,25 +32,17 @@ T = TypeVar("T")
 GROUP_SIZE = 2  # rollouts per task
 BATCH_GROUPS = 2  # groups per step; with max_staleness 0 also the in-flight bound
 
-# Small and fast everywhere: 1-question tasks, 2 rounds, 32 new tokens a round, CPU only.
-SERVICE_ENV: dict[str, dict[str, str]] = {
-    "scorer": {"MEMPO_SCORER_DEVICE": "cpu", "MEMPO_SCORER_HEARTBEAT_S": "1"},
-    "engine": {"MEMPO_ENGINE_DRAIN_TIMEOUT_S": "2"},
-    "worker": {
-        "MEMPO_ROLLOUT_MAX_NEW_TOKENS": "32",
-        "MEMPO_ROLLOUT_HEARTBEAT_S": "1",
-        "MEMPO_ROLLOUT_DRAIN_TIMEOUT_S": "5",
+# Small and fast everywhere: 1-question tasks, 2 rounds, 32 new tokens a round, CPU only;
+# the trainer's own defaults (no preset: the memory advantage on).
+SERVICE_SETTINGS: dict[str, dict[str, Any]] = {
+    "scorer": {"device": "cpu", "heartbeat_s": 1},
+    "engine": {"drain_timeout_s": 2},
+    "worker": {"max_new_tokens": 32, "heartbeat_s": 1, "drain_timeout_s": 5},
+    "learner": {
+        "preset": None, "device": "cpu", "poll_ms": 200, "drain_timeout_s": 20, "questions_per_task": [1],
+        "group_size": GROUP_SIZE, "batch_groups": BATCH_GROUPS, "max_rounds": 2, "max_staleness": 0,
     },
-    "learner": {"MEMPO_LEARNER_DEVICE": "cpu", "MEMPO_LEARNER_POLL_MS": "200", "MEMPO_LEARNER_DRAIN_TIMEOUT_S": "20"},
-}
-
-
-def merged(*envs: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    out: dict[str, dict[str, str]] = {}
-    for env in envs:
-        for service, values in env.items():
-            out[service] = {**out.get(service, {}), **values}
-    return out
+}  # fmt: skip
 
 
 @dataclass
@@ -248,14 +241,14 @@ def running_system(
     *,
     steps: int,
     replicas: int = 2,
-    service_env: dict[str, dict[str, str]] | None = None,
+    given: dict[str, dict[str, Any]] | None = None,
 ) -> Iterator[System]:
-    """Redis + every service of ``mempo up`` on ``model``; everything stopped on exit."""
+    """Redis + every service of ``mempo up`` on ``model`` (``given``: settings per service
+    over SERVICE_SETTINGS); everything stopped on exit."""
+    settings = merged(merged(SERVICE_SETTINGS, {"learner": {"total_steps": steps}}), given or {})
     opts = UpOptions(
-        name="system", steps=steps, rollout_replicas=replicas, runs_root=root, questions_per_task="1",
-        group_size=GROUP_SIZE, batch_groups=BATCH_GROUPS, max_rounds=2, max_staleness=0, display=False,
-        service_env=merged(SERVICE_ENV, service_env or {}), ready_timeout_s=240,
-    )  # fmt: skip
+        name="system", rollout_replicas=replicas, runs_root=root, display=False, given=settings, ready_timeout_s=240
+    )
     run = opts.run_dir.resolve()
     redis_server = RedisServer(run / "redis", appendonly=True).start()
     try:

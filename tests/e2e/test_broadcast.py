@@ -15,21 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import FAULT_ENV
-from tests.e2e.system import System, merged, running_system
+from mempo.settings import merged
+from tests.e2e.conftest import FAULT_SETTINGS
+from tests.e2e.system import System, running_system
 
 pytestmark = pytest.mark.e2e
 
-BROADCAST_ENV = merged(FAULT_ENV, {
-    "learner": {"MEMPO_LEARNER_WEIGHT_SYNC": "broadcast", "MEMPO_LEARNER_PUBLISH_TIMEOUT_S": "20",
-                "MEMPO_LEARNER_WEIGHT_SYNC_BUCKET_MB": "0.05"},  # about 60 buckets a version
+BROADCAST_SETTINGS = merged(FAULT_SETTINGS, {
+    "learner": {"weight_sync": "broadcast", "publish_timeout_s": 20,
+                "weight_sync_bucket_mb": 0.05},  # about 60 buckets a version
 })  # fmt: skip
 RECEIVED = re.compile(r"received \d+ tensors by broadcast \(weight version (\S+)\)")
 
 
 @pytest.fixture(scope="module")
 def system(e2e_root: Path, tiny_model_dir: Path) -> Iterator[System]:
-    with running_system(e2e_root, tiny_model_dir, steps=100_000, service_env=BROADCAST_ENV) as s:
+    with running_system(e2e_root, tiny_model_dir, steps=100_000, given=BROADCAST_SETTINGS) as s:
         yield s
 
 

@@ -404,16 +404,12 @@ def test_no_secret_reaches_a_log_a_file_or_a_status_page(
     from tests.e2e.live_services import find_secrets
 
     password = secrets.token_hex(16)
-    debug = {
-        f"MEMPO_{p}_LOG_LEVEL": "DEBUG"
-        for p in ("RETRIEVAL", "SCORER", "ENGINE", "ROLLOUT", "LEARNER")
-    }
-    tokens = {f"MEMPO_{p}_ADMIN_TOKEN": TOKEN for p in ("RETRIEVAL", "LEARNER")}
-    opts = up.UpOptions(
-        name="secrets", steps=1, runs_root=tmp_path, questions_per_task="1", group_size=2,
-        batch_groups=1, max_rounds=2, max_staleness=0, display=False,
-        extra_env={**debug, **tokens}, ready_timeout_s=180,
-    )  # fmt: skip
+    given: dict[str, dict[str, object]] = {service: {"log_level": "DEBUG"} for service in up.SERVICES}
+    for service in ("retrieval", "learner"):
+        given[service]["admin_token"] = TOKEN
+    given["learner"].update(preset=None, total_steps=1, questions_per_task=[1], group_size=2,
+                            batch_groups=1, max_rounds=2, max_staleness=0)  # fmt: skip
+    opts = up.UpOptions(name="secrets", runs_root=tmp_path, display=False, given=given, ready_timeout_s=180)
     run_dir = opts.run_dir.resolve()
     redis = RedisServer(run_dir / "redis", appendonly=True, password=password).start()
     try:
