@@ -47,12 +47,8 @@ class EvalOptions:
     score: bool = False  # also report P_mem / P_full (starts the scorer)
     concurrency: int = 8
     max_new_tokens: int = 256
-    engine_url: str | None = (
-        None  # a running engine serving the policy (no trailing /); None: start a CPU one
-    )
-    every_question: bool = (
-        False  # k = 1: every distinct question of the split once (``tasks`` unused)
-    )
+    engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
+    every_question: bool = False  # k = 1: every distinct question of the split once (``tasks`` unused)
     transcripts: int = 0  # decoded episodes written per mode and k (mempo_cli.launcher.transcripts)
 
 
@@ -92,13 +88,8 @@ def full_history_figures(tok: Any, groups: list[Group]) -> dict[str, float]:
         prompt, total, peak = first_prompt_ids(tok, group.task.questions), 0, 0
         for rnd in group.trajectories[0].rounds:
             response = rnd.response_ids.tolist()
-            total, peak = (
-                total + len(prompt) + len(response),
-                max(peak, len(prompt) + len(response)),
-            )
-            prompt = full_next_prompt_ids(
-                prompt, response, information_ids(tok, rnd.information or "")
-            )
+            total, peak = total + len(prompt) + len(response), max(peak, len(prompt) + len(response))
+            prompt = full_next_prompt_ids(prompt, response, information_ids(tok, rnd.information or ""))
         totals.append(total)
         peaks.append(peak)
     return {
@@ -108,9 +99,7 @@ def full_history_figures(tok: Any, groups: list[Group]) -> dict[str, float]:
     }
 
 
-async def run_tasks(
-    worker_url: str, tasks: list[Task], concurrency: int, score: bool
-) -> list[Group]:
+async def run_tasks(worker_url: str, tasks: list[Task], concurrency: int, score: bool) -> list[Group]:
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
 
@@ -119,9 +108,7 @@ async def run_tasks(
                 body = {"task": json.loads(task.model_dump_json()), "score": score}
                 response = await http.post(f"{worker_url}/v1/episodes", json=body)
                 if response.status_code != 200:
-                    raise RuntimeError(
-                        f"/v1/episodes: HTTP {response.status_code}: {response.text[:300]}"
-                    )
+                    raise RuntimeError(f"/v1/episodes: HTTP {response.status_code}: {response.text[:300]}")
                 return Group.model_validate_json(response.text)
 
         return list(await asyncio.gather(*(one(t) for t in tasks)))
@@ -170,9 +157,7 @@ def check_engine(engine_url: str) -> None:
         reply.raise_for_status()
         info = reply.json()
     except (httpx.HTTPError, ValueError) as exc:  # unreachable, an error status, not JSON
-        raise RuntimeError(
-            f"the engine at {engine_url} does not answer /model_info: {exc}"
-        ) from None
+        raise RuntimeError(f"the engine at {engine_url} does not answer /model_info: {exc}") from None
     served = info.get("model_path") if isinstance(info, dict) else None
     log.info("evaluating on the engine at %s (serving %s)", engine_url, served)
 
@@ -193,9 +178,7 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
         worker = start_eval_services(sup, model, opts)
         for mode in opts.modes:
             for k in opts.ks:
-                groups = asyncio.run(
-                    run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score)
-                )
+                groups = asyncio.run(run_tasks(worker, eval_tasks(opts, k, mode), opts.concurrency, opts.score))
                 results[mode][str(k)] = summarize(groups)
                 if mode == "memory":
                     results[mode][str(k)] |= full_history_figures(tok, groups)
@@ -203,9 +186,7 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
                 if opts.transcripts:
                     write_transcripts(run_dir / f"transcripts-{mode}-k{k}.md", world, tok,
                                       groups[: opts.transcripts], f"{model}: {mode} mode, k = {k}")  # fmt: skip
-                log.info(
-                    "eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)]
-                )
+                log.info("eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)])
     return {"model": str(model), "split": opts.split, "results": results, "failures": failures}
 
 
@@ -218,22 +199,10 @@ def plot_eval(report: dict[str, Any], out: Path) -> Path:
     fig, (ax_em, ax_tok) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for mode, by_k in report["results"].items():
         ks = sorted(by_k, key=int)
-        ax_em.plot(
-            [int(k) for k in ks], [by_k[k]["em"] for k in ks], marker="o", label=f"{mode} EM"
-        )
-        ax_tok.plot(
-            [int(k) for k in ks],
-            [by_k[k]["tokens_per_task"] for k in ks],
-            marker="o",
-            label=f"{mode} total",
-        )
-        ax_tok.plot(
-            [int(k) for k in ks],
-            [by_k[k]["peak_tokens"] for k in ks],
-            marker="x",
-            linestyle="--",
-            label=f"{mode} peak",
-        )
+        ax_em.plot([int(k) for k in ks], [by_k[k]["em"] for k in ks], marker="o", label=f"{mode} EM")
+        ax_tok.plot([int(k) for k in ks], [by_k[k]["tokens_per_task"] for k in ks], marker="o", label=f"{mode} total")
+        ax_tok.plot([int(k) for k in ks], [by_k[k]["peak_tokens"] for k in ks], marker="x", linestyle="--",
+                    label=f"{mode} peak")
     ax_em.set(title="Exact match", xlabel="questions per task", ylim=(-0.02, 1.02))
     ax_tok.set(title="Tokens per task", xlabel="questions per task", yscale="log")
     for ax in (ax_em, ax_tok):
