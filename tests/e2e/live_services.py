@@ -84,3 +84,19 @@ def find_secrets(root: Path, secrets: dict[str, str]) -> list[str]:
         data = path.read_bytes()
         found += [f"{path}: {name}" for name, value in secrets.items() if value.encode() in data]
     return found
+
+
+def refused(token: str, wrong: str) -> list[tuple[dict[str, str], int]]:
+    """Authorization headers that must not pass ``token``'s check (``wrong``: another
+    token), and the status each gets."""
+    return [
+        ({}, 401),
+        ({"Authorization": "Bearer"}, 401),
+        ({"Authorization": "Bearer "}, 401),
+        ({"Authorization": f"Basic {token}"}, 401),
+        ({"Authorization": token}, 401),
+        ({"Authorization": f"Bearer {wrong}"}, 403),
+        ({"Authorization": f"Bearer {token[:-1]}"}, 403),
+        ({"Authorization": f"Bearer {token}x"}, 403),
+        ({"Authorization": f"Bearer {token.upper()}"}, 403),
+    ]
