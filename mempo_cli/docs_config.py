@@ -138,9 +138,20 @@ def render() -> str:
         "in capitals (`MEMPO_SCORER_MAX_QUEUE=512`). Names are case-insensitive. Booleans "
         "take `true`/`false`; lists and tuples take JSON (`[0.9, 0.95]`), except the "
         'learner\'s `QUESTIONS_PER_TASK` (`2`, `1,2,4` or `1-3`). "unset" means the field is '
-        "null unless the variable is given. An empty value is not unset: it is the empty "
-        "string (an error for a number). A value outside its range stops the "
-        "service at start-up with a message naming the field.",
+        "null unless the variable is given; the value `null` unsets an optional setting. An "
+        "empty value is not unset: it is the empty string (an error for a number). A value "
+        "outside its range stops the service at start-up with a message naming the field.",
+        "",
+        "`PRESET` (the learner and the rollout worker) names a recipe whose values lie under "
+        "every value given, by option or variable: `tiny` is the tiny model's, the one "
+        "`mempo up` runs and whose values its `--help` shows as defaults (each service's "
+        "`PRESETS` in its settings.py).",
+        "",
+        "`mempo up` and `mempo eval` build each child's settings object in the parent and "
+        "hand it over as that child's environment (`mempo.settings.settings_env`, one "
+        "variable per setting, the inverse of reading them), so a launched service reads "
+        "exactly the settings the launcher built; a `MEMPO_<SERVICE>_<NAME>` variable in the "
+        "launcher's environment is read there like in the service.",
         "",
         "Every setting that is not a secret or a nested block is also an option of the "
         "service's command, which wins over the variable (`mempo scorer serve --max-queue 512`; "
