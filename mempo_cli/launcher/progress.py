@@ -49,7 +49,7 @@ class Progress:
         self.heading = heading  # a line above the table (the held-out score before RL)
         self.rewards: list[float] = []
         self.started = time.monotonic()
-        self.console = Console(stderr=False)
+        self.console = Console(stderr=False, markup=False, highlight=False)  # "[mempo up]" is text
         self.live_mode = enabled and sys.stdout.isatty()
         self.enabled = enabled
         self.rows: list[list[str]] = []
@@ -82,10 +82,11 @@ class Progress:
 
     def update(self, snap: Snapshot) -> None:
         self.snap = snap
-        status = snap.status
-        step = int(status.get("step", 0))
-        metrics = status.get("last_metrics") or {}
-        if step != self.last_step and metrics and step > 0:
+        # A row is the journal's line of one step: its own step number, never the status's
+        # (the trainer's step moves on before the step's metrics are written).
+        metrics = snap.status.get("last_metrics") or {}
+        step = metrics.get("step")
+        if isinstance(step, int) and step > 0 and step != self.last_step:
             self.last_step = step
             if isinstance(metrics.get("reward_mean"), (int, float)):
                 self.rewards.append(float(metrics["reward_mean"]))

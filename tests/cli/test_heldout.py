@@ -76,7 +76,23 @@ def test_progress_shows_the_reward_moving_average(capsys: pytest.CaptureFixture[
     progress = Progress(steps=20, enabled=True, heading="held-out EM before RL: 0.400")
     with progress:
         for step, reward in enumerate([0.0, 1.0, 0.5], start=1):
-            progress.update(Snapshot({"step": step, "last_metrics": {"reward_mean": reward}}, {}, 0.0))
+            metrics = {"step": step, "reward_mean": reward}
+            progress.update(Snapshot({"step": step, "last_metrics": metrics}, {}, 0.0))
     out = capsys.readouterr().out
     assert "held-out EM before RL: 0.400" in out
     assert progress.rows[-1][2] == "0.500" and AVERAGE >= 3  # mean of 0, 1, 0.5
+
+
+def test_each_progress_line_shows_its_own_steps_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """The learner's step moves on before that step's metrics are written: a status that
+    says step 13 while its last metrics are still step 12's must not print step 12's
+    figures as step 13 (seen on a fresh clone)."""
+    progress = Progress(steps=20, enabled=True)
+    with progress:
+        for status_step, metrics_step, reward in [(12, 12, 0.25), (13, 12, 0.25), (13, 13, 0.75)]:
+            metrics = {"step": metrics_step, "version": metrics_step, "reward_mean": reward}
+            progress.update(Snapshot({"step": status_step, "last_metrics": metrics}, {}, 0.0))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "step 1" in line]
+    assert [row[0] for row in progress.rows] == ["12", "13"]
+    assert [row[1] for row in progress.rows] == ["0.250", "0.750"]
+    assert len(lines) == 2 and "reward=0.750" in lines[1] and lines[1].startswith("[mempo up] step 13/20")
