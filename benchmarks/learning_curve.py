@@ -293,21 +293,8 @@ def main() -> None:
         rows.append(one_seed(seed, args))
     means, spread = summarise(rows)
     mempo_arm = next((a for a in args.arms if a != "grpo"), "mempo")  # the MemPO arm the mempo_* keys report
-    headline = {  # the issue's names -> the figures every seed row holds
-        "sft_em": "sft_em", "mempo_em": f"{mempo_arm}_em", "grpo_em": "grpo_em",
-        "sft_p_mem": "sft_p_mem", "mempo_p_mem": f"{mempo_arm}_p_mem", "grpo_p_mem": "grpo_p_mem",
-        "mempo_tokens_per_task": f"{mempo_arm}_tokens_per_task",
-        "full_mode_tokens_per_task": f"{mempo_arm}_full_mode_tokens_per_task", "minutes": "minutes",
-    }
-    if "2" in args.ks.split(","):  # memory mode at k = 2, and the peak context in both modes
-        headline |= {"sft_em_k2": "sft_em_k2", "grpo_em_k2": "grpo_em_k2", "mempo_em_k2": f"{mempo_arm}_em_k2",
-                     "sft_format_k2": "sft_format_k2"}  # fmt: skip
-        for name in ("sft", *args.arms):
-            for key in ("peak_tokens_k2", "tokens_per_task_k2", *(f"{f}_k2" for f in HISTORY_FIGURES)):
-                headline[f"{name}_{key}"] = f"{name}_{key}"
-            headline[f"{name}_full_peak_tokens_k2"] = f"{name}_full_mode_peak_tokens_k2"
     summary = {
-        **{name: means.get(key) for name, key in headline.items()},
+        **{name: means.get(key) for name, key in headline(mempo_arm, args.arms, args.ks).items()},
         "goals": goals(means, mempo_arm),
         "mempo_arm": mempo_arm, "seeds": [r["seed"] for r in rows], "arms": args.arms, "rl_steps": args.rl_steps, "ks": args.ks,
         "lr_decay": args.lr_decay, "rl_questions": args.rl_questions, "reward": args.reward,
@@ -317,6 +304,25 @@ def main() -> None:
     }  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, default=lambda v: v, separators=(",", ":")))
+
+
+def headline(mempo_arm: str, arms: list[str], ks: str) -> dict[str, str]:
+    """The issue's names -> the figures every seed row holds (``mempo_arm`` the MemPO arm
+    the mempo_* names report; the k = 2 figures only when ``ks`` holds 2)."""
+    names = {
+        "sft_em": "sft_em", "mempo_em": f"{mempo_arm}_em", "grpo_em": "grpo_em",
+        "sft_p_mem": "sft_p_mem", "mempo_p_mem": f"{mempo_arm}_p_mem", "grpo_p_mem": "grpo_p_mem",
+        "mempo_tokens_per_task": f"{mempo_arm}_tokens_per_task",
+        "full_mode_tokens_per_task": f"{mempo_arm}_full_mode_tokens_per_task", "minutes": "minutes",
+    }
+    if "2" in ks.split(","):  # memory mode at k = 2, and the peak context in both modes
+        names |= {"sft_em_k2": "sft_em_k2", "grpo_em_k2": "grpo_em_k2", "mempo_em_k2": f"{mempo_arm}_em_k2",
+                  "sft_format_k2": "sft_format_k2"}  # fmt: skip
+        for name in ("sft", *arms):
+            for key in ("peak_tokens_k2", "tokens_per_task_k2", *(f"{f}_k2" for f in HISTORY_FIGURES)):
+                names[f"{name}_{key}"] = f"{name}_{key}"
+            names[f"{name}_full_peak_tokens_k2"] = f"{name}_full_mode_peak_tokens_k2"
+    return names
 
 
 def goals(means: dict[str, float], arm: str) -> dict[str, bool | None]:

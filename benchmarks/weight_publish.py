@@ -130,11 +130,11 @@ def folder_bytes(path: Path) -> int:
 
 
 async def publish_and_copy(
-    publisher: Any, trainer: Any, version: int, urls: list[str], http: httpx.AsyncClient
+    publisher: Any, exporter: Any, version: int, urls: list[str], http: httpx.AsyncClient
 ) -> dict[str, float]:
     """One publish, checked on every receiver, then a plain copy of the same folder."""
     started = time.perf_counter()
-    report = await publisher.publish(trainer, version)
+    report = await publisher.publish(exporter, version)
     elapsed = time.perf_counter() - started
     if report.stale:
         raise RuntimeError(f"engines failed to load v{version}: {report.stale}")
@@ -187,49 +187,11 @@ def measure_load(folder: Path, root: Path, model: Any, reps: int) -> dict[str, f
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-async def measure(
-    model: Path, urls: list[str], redis_url: str, root: Path, reps: int
+def summary(
+    paths: dict[str, dict[str, float]], loads: dict[str, float], each: dict[str, list[float]]
 ) -> dict[str, Any]:
-    """The disk path's publishes, then the broadcast path's, each against its copies."""
-    from services.learner.publish import WeightPublisher
-    from services.learner.trainer import Trainer
-    from services.learner.trainer_config import TrainerConfig
-
-    trainer = Trainer(TrainerConfig(beta_kl=0.0), model)  # no reference copy: only export matters
-    with torch.no_grad():  # as after a first optimizer step: the loaded parameters view the
-        for param in trainer.policy.parameters():  # model file copy-on-write, which the
-            param.mul_(1.0)  # kernel may drop and read again; written, they are our memory
-    redis = connect(redis_url)
-    queue = RedisQueue(redis, Keys("bench:"))
-    for i, url in enumerate(urls):
-        info = EngineInfo(id=f"p{i}", role="scorer" if i == 2 else "rollout", url=url)
-        await queue.register_engine(info.signed(TOKEN), ttl_s=3600)  # as the services sign
-    paths: dict[str, dict[str, float]] = {}
-    each: dict[str, list[float]] = {}  # every publish, the warm-up ones first
-    loads: dict[str, float] = {}
-    version = 0
-    try:
-        async with httpx.AsyncClient(timeout=60) as http:
-            for path in ("disk", "broadcast"):
-                publisher = WeightPublisher(
-                    queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=KEEP,
-                    broadcast=path == "broadcast",
-                )  # fmt: skip
-                try:
-                    runs = []
-                    for _ in range(WARM_UP + reps):
-                        version += 1
-                        runs.append(await publish_and_copy(publisher, trainer, version, urls, http))
-                finally:
-                    await publisher.aclose()
-                timed = runs[WARM_UP:]
-                paths[path] = {name: statistics.median(run[name] for run in timed) for name in runs[0]}
-                each[path] = [round(run["publish_s"], 4) for run in runs]
-                if path == "disk":  # the last version is still on disk, in the page cache
-                    loads = measure_load(root / f"v{version}", root, trainer.policy, reps)
-    finally:
-        await queue.aclose()
-        await redis.aclose()
+    """The figures of the JSON line from the medians of each path (``paths``), a receiver's
+    loads and every disk publish's time (``each``)."""
     disk, sent = paths["disk"], paths["broadcast"]
     return {
         "publish_s": round(disk["publish_s"], 4),
@@ -255,6 +217,56 @@ async def measure(
         "load_ratio": round(loads["owned"] / loads["mapped"], 1),
         "publish_each_s": each["disk"],  # the first WARM_UP are not timed
         "bytes": int(disk["bytes"]),
+    }
+
+
+async def measure(
+    model: Path, urls: list[str], redis_url: str, root: Path, reps: int
+) -> dict[str, Any]:
+    """The disk path's publishes, then the broadcast path's, each against its copies."""
+    from services.learner.checkpoint import TrainerExporter
+    from services.learner.publish import WeightPublisher
+    from services.learner.trainer import Trainer
+    from services.learner.trainer_config import TrainerConfig
+
+    trainer = Trainer(TrainerConfig(beta_kl=0.0), model)  # no reference copy: only export matters
+    with torch.no_grad():  # as after a first optimizer step: the loaded parameters view the
+        for param in trainer.policy.parameters():  # model file copy-on-write, which the
+            param.mul_(1.0)  # kernel may drop and read again; written, they are our memory
+    exporter = TrainerExporter(trainer)  # what the learner's loop hands the publisher
+    redis = connect(redis_url)
+    queue = RedisQueue(redis, Keys("bench:"))
+    for i, url in enumerate(urls):
+        info = EngineInfo(id=f"p{i}", role="scorer" if i == 2 else "rollout", url=url)
+        await queue.register_engine(info.signed(TOKEN), ttl_s=3600)  # as the services sign
+    paths: dict[str, dict[str, float]] = {}
+    each: dict[str, list[float]] = {}  # every publish, the warm-up ones first
+    loads: dict[str, float] = {}
+    version = 0
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            for path in ("disk", "broadcast"):
+                publisher = WeightPublisher(
+                    queue, root, admin_token=TOKEN, timeout_s=600, keep_versions=KEEP,
+                    broadcast=path == "broadcast",
+                )  # fmt: skip
+                try:
+                    runs = []
+                    for _ in range(WARM_UP + reps):
+                        version += 1
+                        runs.append(await publish_and_copy(publisher, exporter, version, urls, http))
+                finally:
+                    await publisher.aclose()
+                timed = runs[WARM_UP:]
+                paths[path] = {name: statistics.median(run[name] for run in timed) for name in runs[0]}
+                each[path] = [round(run["publish_s"], 4) for run in runs]
+                if path == "disk":  # the last version is still on disk, in the page cache
+                    loads = measure_load(root / f"v{version}", root, trainer.policy, reps)
+    finally:
+        await queue.aclose()
+        await redis.aclose()
+    return {
+        **summary(paths, loads, each),
         "params": sum(p.numel() for p in trainer.policy.parameters()),
         "receivers": len(urls),
         "reps": reps,

@@ -132,20 +132,27 @@ def join_group(
             peers if peers is not None else set(),
         )
     prefixed = dist.PrefixStore(group_name, store)
+    pg = _process_group(prefixed, rank, world_size, backend, timeout, device_host)
+    store.set_timeout(timeout)  # a rank > 0 joined with what was left of it
+    return WeightGroup(group_name, pg, prefixed, rank)
+
+
+def _process_group(
+    store: Any, rank: int, world_size: int, backend: str, timeout: timedelta, device_host: str
+) -> Group:
+    """The group's process group over its prefixed ``store``: gloo, its device bound to
+    ``device_host`` when one is given (else gloo's default device), or NCCL."""
     if backend == "gloo" and device_host:  # the device binds the store's address
         options = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (not in the stubs)
         options._timeout = timeout
         options._threads = 2  # as the timeout-only constructor
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
-        pg: Group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-    elif backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    else:
-        nccl_options = dist.ProcessGroupNCCL.Options()
-        nccl_options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options)
-    store.set_timeout(timeout)  # a rank > 0 joined with what was left of it
-    return WeightGroup(group_name, pg, prefixed, rank)
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    nccl_options = dist.ProcessGroupNCCL.Options()
+    nccl_options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, nccl_options)
 
 
 def _connect_store(

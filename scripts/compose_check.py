@@ -221,6 +221,16 @@ def run(stack: Stack, steps: int, report: dict[str, Any]) -> None:
     if len(stack.rollout_containers()) != 2:
         raise CheckFailed(f"scaling back left {len(stack.rollout_containers())} rollout replicas")
 
+    kill_a_replica_holding_a_task(stack, report)
+    final = stack.status()
+    if final["state"] == "failed":
+        raise CheckFailed(f"the learner failed: {final['error']}")
+    report["final_step"] = final["step"]
+
+
+def kill_a_replica_holding_a_task(stack: Stack, report: dict[str, Any]) -> None:
+    """kill -9 a rollout replica while it holds a task, then wait until the stack has done
+    that task (``redone_task``, ``redo_s``: from the kill)."""
     log("killing a replica that holds a task")
     for _attempt in range(5):
         containers = {c[:12]: c for c in stack.rollout_containers()}  # the worker id is the hostname
@@ -245,10 +255,6 @@ def run(stack: Stack, steps: int, report: dict[str, Any]) -> None:
     log(f"killed {consumer} holding task {entry}; waiting until the task is done")
     wait_for(f"task {entry} done", lambda: entry not in {e for e, _ in stack.pending()}, timeout=600, every=3)
     report["redone_task"], report["redo_s"] = entry, round(time.monotonic() - mark, 1)
-    final = stack.status()
-    if final["state"] == "failed":
-        raise CheckFailed(f"the learner failed: {final['error']}")
-    report["final_step"] = final["step"]
 
 
 def main() -> int:

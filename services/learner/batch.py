@@ -251,14 +251,7 @@ def build_batch(
     if not groups:
         raise ValueError("build_batch needs at least one group")
     flat, trajectories = _flatten(groups)
-    sequences = [
-        seq
-        for b, traj in enumerate(trajectories)
-        for group in (groups[flat.group_of[b]],)
-        for seq in trajectory_sequences(
-            traj, group.task.mode == "full", b, group.logprob_temperature
-        )
-    ]
+    sequences = _sequences(groups, flat, trajectories)
     if not sequences:
         raise ValueError("the batch has no response token to train on")
     outcome = grpo_outcome_advantage(
@@ -297,6 +290,20 @@ def build_batch(
     batch.in_memory = inside[loss_mask] > 0
     batch.stats = _stats(groups, trajectories, flat, outcome, memory, batch)
     return batch
+
+
+def _sequences(
+    groups: Sequence[Group], flat: _Flat, trajectories: list[Trajectory]
+) -> list[TrainSequence]:
+    """Every trajectory's sequences, in trajectory order (trajectory b of the flat batch)."""
+    return [
+        seq
+        for b, traj in enumerate(trajectories)
+        for group in (groups[flat.group_of[b]],)
+        for seq in trajectory_sequences(
+            traj, group.task.mode == "full", b, group.logprob_temperature
+        )
+    ]
 
 
 def _stats(

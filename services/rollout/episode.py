@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mempo.agent_format import (
     DEFAULT_TAGS,
@@ -35,6 +35,9 @@ from mempo.next_prompt import next_prompt_ids
 from mempo.rewards import RewardKind, is_correct, outcome_reward
 from mempo.schemas import Round, Task, Trajectory, new_id
 from services.rollout.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,20 @@ class EpisodeConfig:
     topk: int = 3
     reward_kind: RewardKind = "em"
     tags: Tags = DEFAULT_TAGS
+
+    @classmethod
+    def of(cls, settings: WorkerSettings, max_context_tokens: int) -> EpisodeConfig:
+        """The worker's episodes: its sampling, retrieval and reward settings, and the
+        context length of its engine."""
+        return cls(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            max_context_tokens=max_context_tokens,
+            topk=settings.retrieval_topk,
+            reward_kind=settings.reward_kind,
+        )
 
     def sampling_params(self, stop_token_ids: list[int]) -> dict[str, Any]:
         """Sent explicitly every time: SGLang otherwise takes the model's defaults."""

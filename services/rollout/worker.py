@@ -95,15 +95,7 @@ class RolloutWorker:
                 self.upstreams.engine
             )
         s = self.settings
-        config = EpisodeConfig(
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_context_tokens=self.max_context_tokens,
-            topk=s.retrieval_topk,
-            reward_kind=s.reward_kind,
-        )
+        config = EpisodeConfig.of(s, self.max_context_tokens)
         episodes = EpisodeRunner(
             self.upstreams.engine, self.upstreams.retrieval, self.tokenizer, config, self.metrics
         )

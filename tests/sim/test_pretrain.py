@@ -1,14 +1,12 @@
-"""Reading-drill pretraining of the tiny model: the schedule, the drills, and that the loss falls."""
+"""Reading-drill pretraining of the tiny model: the drills, and that the loss falls."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
 import torch
 
-from mempo.schedule import cosine_schedule
 from mempo_sim.pretrain import (
     FIRST_WORLD,
     answer_weights,
@@ -18,15 +16,6 @@ from mempo_sim.pretrain import (
     pretrain,
     probe_drills,
 )
-
-
-def test_cosine_schedule_warms_up_then_decays_to_the_final_ratio() -> None:
-    factor = cosine_schedule(warmup_steps=4, steps=20, final_ratio=0.1)
-    values = [factor(step) for step in range(20)]
-    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in itertools.pairwise(values[3:]))
-    assert values[-1] == pytest.approx(0.1)
-    assert cosine_schedule(0, 10, 1.0)(5) == 1.0
 
 
 def test_drills_come_from_other_worlds_and_hold_their_answers(world: Any) -> None:

@@ -31,17 +31,16 @@ async def _status(http: httpx.AsyncClient, url: str, done: object, timeout_s: fl
     return status  # type: ignore[no-any-return]
 
 
-async def test_two_ranks_train_and_rank_zero_publishes(
-    redis_url: str, redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
+def _learner_env(
+    redis_url: str, keys: Keys, port: int, model: Path, tmp_path: Path
+) -> dict[str, str]:
+    """The environment of ``mempo learner serve``: two steps of two groups of two, on CPU."""
+    return {
         **os.environ,
         "MEMPO_LEARNER_REDIS_URL": redis_url,
         "MEMPO_LEARNER_KEY_PREFIX": keys.prefix,
         "MEMPO_LEARNER_PORT": str(port),
-        "MEMPO_LEARNER_MODEL_PATH": str(tiny_model_dir),
+        "MEMPO_LEARNER_MODEL_PATH": str(model),
         "MEMPO_LEARNER_DEVICE": "cpu",
         "MEMPO_LEARNER_RUN_DIR": str(tmp_path / "run"),
         "MEMPO_LEARNER_WEIGHTS_ROOT": str(tmp_path / "weights"),
@@ -51,6 +50,14 @@ async def test_two_ranks_train_and_rank_zero_publishes(
         "MEMPO_LEARNER_POLL_MS": "100",
         "OMP_NUM_THREADS": "1",
     }
+
+
+async def test_two_ranks_train_and_rank_zero_publishes(
+    redis_url: str, redis_client: object, keys: Keys, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = _learner_env(redis_url, keys, port, tiny_model_dir, tmp_path)
     engine = StandInEngine("engine")
     queue = RedisQueue(redis_client, keys)  # type: ignore[arg-type]
     log = (tmp_path / "torchrun.log").open("wb")
