@@ -155,7 +155,7 @@ def render() -> str:
         "",
         "Every setting that is not a secret or a nested block is also an option of the "
         "service's command, which wins over the variable (`mempo scorer serve --max-queue 512`; "
-        "`--help` lists them; mempo.settings.settings_from_args).",
+        "`--help` lists them; mempo.options.settings_from_args).",
         "",
         "For the docker compose deployment, `.env` variables and what they feed are in "
         "[operations.md](operations.md).",

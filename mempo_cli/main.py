@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mempo.settings import SETTINGS_ARGS, configure_logging, fail, quiet_hub
+from mempo.options import SETTINGS_ARGS
+from mempo.settings import configure_logging, fail, quiet_hub
 from mempo_cli import docs_config
 from services.learner import cli as learner_cli
 from services.retrieval import cli as retrieval_cli
@@ -199,9 +200,6 @@ def evaluate_cmd(
 ) -> None:
     """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task,
     and how the episodes failed (failure kinds: mempo_cli/launcher/transcripts.py)."""
-    from rich.console import Console
-    from rich.table import Table
-
     from mempo_cli.launcher.evaluate import EvalOptions, evaluate, plot_eval
 
     if not (model / "config.json").exists():
@@ -230,7 +228,17 @@ def evaluate_cmd(
         raise typer.Exit(1) from None
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     png = plot_eval(report, out / "eval.png")
-    table = Table(title=f"eval of {model}")
+    _show_eval(report, f"eval of {model}")
+    written = sorted(out.glob("transcripts-*.md")) if transcripts else []
+    typer.echo(f"wrote {out / 'eval.json'} and {png}" + "".join(f", {p}" for p in written))
+
+
+def _show_eval(report: dict[str, Any], title: str) -> None:
+    """The figures of ``mempo eval`` as a table, then each mode and k's failure kinds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
     for column in ("mode", "k", "EM", "F1", "format", "tokens/task", "peak tokens", "with full history: tokens, peak"):
         table.add_column(column, justify="right")
     for mode, by_k in report["results"].items():
@@ -242,8 +250,6 @@ def evaluate_cmd(
     for mode, by_k in report["failures"].items():
         for k, counts in by_k.items():
             typer.echo(f"{mode} k={k}: " + ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))
-    written = sorted(out.glob("transcripts-*.md")) if transcripts else []
-    typer.echo(f"wrote {out / 'eval.json'} and {png}" + "".join(f", {p}" for p in written))
 
 
 # Groups and commands defined next to the code they run (their heavy imports stay

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from mempo.settings import command_options, field_option, read_options, validated
+from mempo.options import command_options, field_option, read_options, validated
 from mempo_cli.launcher.up import SERVICES, UpOptions, service_settings
 
 # Each option that feeds a service's setting: option -> (service, the setting's path).

@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 import typer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from mempo.settings import SETTINGS_ARGS, fail
+from mempo.options import SETTINGS_ARGS
+from mempo.settings import fail
 
 app = typer.Typer(help="The learner service.", no_args_is_help=True)
 
@@ -21,7 +22,8 @@ def serve_learner(ctx: typer.Context) -> None:
     them) and a MEMPO_LEARNER_<NAME> variable, options winning; the trainer's only as
     MEMPO_LEARNER_TRAINER__<FIELD>. Exits 1 when the training loop failed. Under torchrun
     (WORLD_SIZE > 1) rank 0 serves and drives the loop; the other ranks follow."""
-    from mempo.settings import quiet_hub, serve, settings_from_args
+    from mempo.options import settings_from_args
+    from mempo.settings import quiet_hub, serve
     from services.learner.app import create_app
     from services.learner.settings import LearnerSettings
 
@@ -119,13 +121,8 @@ def sft(ctx: typer.Context) -> None:
 
     from transformers import AutoTokenizer
 
-    from mempo.settings import (
-        command_options,
-        configure_logging,
-        quiet_hub,
-        read_options,
-        validated,
-    )
+    from mempo.options import command_options, read_options, validated
+    from mempo.settings import configure_logging, quiet_hub
     from mempo_sim.tiny import default_cache_dir, ensure_tiny
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
 

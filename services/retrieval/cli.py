@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from mempo.settings import SETTINGS_ARGS, fail
+from mempo.options import SETTINGS_ARGS
+from mempo.settings import fail
 
 if TYPE_CHECKING:
     from services.retrieval.dense import IndexKind
@@ -24,7 +25,8 @@ PROGRESS_STEP = 1 << 20  # bytes between progress bar refreshes
 def serve_command(ctx: typer.Context) -> None:
     """Serve POST /retrieve: every setting is an option (--index for index_path,
     --backend, ...; --help lists them) and a MEMPO_RETRIEVAL_<NAME> variable; options win."""
-    from mempo.settings import quiet_hub, serve, settings_from_args
+    from mempo.options import settings_from_args
+    from mempo.settings import quiet_hub, serve
     from services.retrieval.app import create_app
     from services.retrieval.settings import RetrievalSettings
 

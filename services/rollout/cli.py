@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from mempo.settings import SETTINGS_ARGS
+from mempo.options import SETTINGS_ARGS
 
 app = typer.Typer(help="The rollout service.", no_args_is_help=True)
 
@@ -15,7 +15,8 @@ def worker(ctx: typer.Context) -> None:
 
     Every setting is an option (--engine-url, --redis-url '' for HTTP only, ...; --help
     lists them) and a MEMPO_ROLLOUT_<NAME> variable; options win."""
-    from mempo.settings import quiet_hub, serve, settings_from_args
+    from mempo.options import settings_from_args
+    from mempo.settings import quiet_hub, serve
     from services.rollout.app import create_app
     from services.rollout.settings import WorkerSettings
 
@@ -30,7 +31,8 @@ def engine(ctx: typer.Context) -> None:
 
     Every setting is an option (--model-path, --weights-root, ...; --help lists them) and
     a MEMPO_ENGINE_<NAME> variable; options win."""
-    from mempo.settings import quiet_hub, serve, settings_from_args
+    from mempo.options import settings_from_args
+    from mempo.settings import quiet_hub, serve
     from services.rollout.engine.app import create_app
     from services.rollout.engine.settings import EngineSettings
 

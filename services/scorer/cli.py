@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from mempo.settings import SETTINGS_ARGS
+from mempo.options import SETTINGS_ARGS
 
 app = typer.Typer(help="The scorer service: P_mem / P_full memory scores.", no_args_is_help=True)
 
@@ -13,7 +13,8 @@ app = typer.Typer(help="The scorer service: P_mem / P_full memory scores.", no_a
 def serve_command(ctx: typer.Context) -> None:
     """Run the scorer: every setting is an option (--model-path, --device, ...; --help
     lists them) and a MEMPO_SCORER_<NAME> variable; options win."""
-    from mempo.settings import quiet_hub, serve, settings_from_args
+    from mempo.options import settings_from_args
+    from mempo.settings import quiet_hub, serve
     from services.scorer.settings import ScorerSettings
 
     settings = settings_from_args(ScorerSettings, ctx.args, "mempo scorer serve")

@@ -148,7 +148,7 @@ def test_a_variable_that_names_no_setting_is_reported_with_the_closest_name() ->
 def test_every_plain_setting_is_an_option_over_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mempo.settings import settings_from_args
+    from mempo.options import settings_from_args
     from services.scorer.settings import ScorerSettings
 
     monkeypatch.setenv("MEMPO_SCORER_PORT", "9001")
@@ -172,7 +172,7 @@ def test_every_plain_setting_is_an_option_over_the_environment(
 def test_a_bad_option_exits_2_naming_it(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mempo.settings import settings_from_args
+    from mempo.options import settings_from_args
     from services.rollout.engine.settings import EngineSettings
 
     with pytest.raises(SystemExit) as exited:
@@ -182,7 +182,7 @@ def test_a_bad_option_exits_2_naming_it(
 
 def test_a_password_in_a_url_option_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """`--redis-url redis://:pw@host` once worked, the password on the command line."""
-    from mempo.settings import settings_from_args
+    from mempo.options import settings_from_args
     from services.rollout.settings import WorkerSettings
 
     with pytest.raises(SystemExit) as exited:
@@ -197,7 +197,7 @@ def test_a_password_in_a_url_option_is_refused(capsys: pytest.CaptureFixture[str
 def test_an_alias_and_the_nested_trainer_block_stays_off_the_command_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from mempo.settings import settings_from_args
+    from mempo.options import settings_from_args
     from services.learner.settings import LearnerSettings
     from services.retrieval.settings import RetrievalSettings
 
