@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mempo.keys import Keys
 
@@ -132,10 +132,12 @@ def settings_env(settings: BaseSettings) -> dict[str, str]:
 
 
 def _variables(model: BaseModel, prefix: str, delimiter: str) -> Iterator[tuple[str, str]]:
-    for name in type(model).model_fields:
+    for name, field in type(model).model_fields.items():
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             yield from _variables(value, f"{prefix}{name.upper()}{delimiter}", delimiter)
+        elif isinstance(value, list) and any(isinstance(m, NoDecode) or m is NoDecode for m in field.metadata):
+            yield f"{prefix}{name.upper()}", ",".join(map(str, value))  # parsed by the field itself
         else:
             yield f"{prefix}{name.upper()}", _env_text(value)
 

@@ -35,7 +35,7 @@ from services.learner.publish import PublishReport, WeightPublisher
 from services.learner.settings import LearnerSettings
 from services.learner.state import LearnerState
 from services.learner.step import train_step
-from services.learner.telemetry import LearnerMetrics, MetricsJournal
+from services.learner.telemetry import LearnerMetrics, StepLog
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class LearnerLoop:
         self.consumer, self.admission, self.publisher = consumer, admission, publisher
         self.state = consumer.state
         self.metrics = metrics or LearnerMetrics()
-        self.journal = MetricsJournal(settings.run_dir)
-        self.last_metrics: dict[str, Any] | None = self.journal.last()
+        self.step_log = StepLog(settings)
+        self.last_metrics: dict[str, Any] | None = self.step_log.journal.last()
         self.last_publish: PublishReport | None = None
         self.failed_batches = 0  # in a row (each dead-lettered; training goes on)
 
@@ -125,8 +125,10 @@ class LearnerLoop:
         return loop
 
     async def aclose(self) -> None:
-        """Close HTTP clients; under torchrun, release the ranks parked in ``follow()``."""
+        """Close HTTP clients and trackers; under torchrun, release the ranks parked in
+        ``follow()``."""
         await self.publisher.aclose()
+        await asyncio.to_thread(self.step_log.close)
         close = getattr(self.trainer, "close", None)
         if close is None:
             return
@@ -212,7 +214,7 @@ class LearnerLoop:
             "engines_stale": float(len(report.stale)),
             "step_s": step_s,
         }
-        record = self.journal.write(self.trainer.step, self.trainer.version, figures)
+        record = self.step_log.write(self.trainer.step, self.trainer.version, figures, batch.groups)
         self.last_metrics = record
         self.metrics.steps.inc()
         self.metrics.skipped_steps.inc(figures.get("skipped_steps", 0.0))

@@ -150,6 +150,19 @@ class LearnerSettings(RedisSettings):
     drain_timeout_s: float = Field(default=60.0, ge=0)
     """On shutdown, how long the running step may take to finish before it is cancelled."""
 
+    tracking: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["jsonl"])
+    """Where each step's figures go: jsonl (metrics.jsonl, always) and any of tensorboard,
+    wandb, mlflow, comma separated (each needs ``pip install 'mempo[tracking]'``; W&B
+    offline without an API key; docs/operations.md, 'Tracking')."""
+
+    sample_every: int = Field(default=10, ge=0)
+    """Every this many steps, decoded trajectories of the step go to
+    run_dir/samples/step-<n>.jsonl and the trackers (0: never)."""
+
+    sample_trajectories: int = Field(default=4, ge=0)
+    """Trajectories decoded each time (their rounds: memory, think, query, information,
+    answer, P_mem, P_full)."""
+
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """The PPO trainer's configuration (services/learner/trainer_config.py)."""
 
@@ -157,6 +170,18 @@ class LearnerSettings(RedisSettings):
     @classmethod
     def _preset(cls, data: Any) -> Any:
         return with_preset(data, PRESETS)
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _parse_tracking(cls, value: Any) -> Any:
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @field_validator("tracking")
+    @classmethod
+    def _check_tracking(cls, value: list[str]) -> list[str]:
+        from mempo.tracking import check_backends
+
+        return check_backends(value)
 
     @field_validator("questions_per_task", mode="before")
     @classmethod

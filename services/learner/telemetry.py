@@ -1,8 +1,10 @@
-"""The learner's Prometheus metrics and its ``metrics.jsonl`` journal (one line per step)."""
+"""The learner's Prometheus metrics, its ``metrics.jsonl`` journal (one line per step) and
+the step log that feeds the journal, the trackers and the decoded samples."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -11,6 +13,10 @@ from typing import Any
 from prometheus_client import Gauge
 
 from mempo.metrics import Metrics
+from mempo.schemas import Group
+from mempo.tracking import Tracker
+
+log = logging.getLogger(__name__)
 
 
 class LearnerMetrics(Metrics):
@@ -88,3 +94,40 @@ def _finite(value: float) -> float | None:
     """JSON has no NaN/inf: a non-finite metric is written as null."""
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+class StepLog:
+    """Each step's figures to the journal (today's names) and the trackers (mempo.tracking's
+    names); every ``sample_every`` steps, ``samples`` trajectories of the step decoded."""
+
+    def __init__(self, settings: Any) -> None:
+        self.journal = MetricsJournal(settings.run_dir)
+        config = settings.model_dump(mode="json")  # secrets come out masked
+        self.tracker = Tracker(settings.run_dir, settings.tracking, settings.run_dir.name, config)
+        self.sample_every, self.samples = settings.sample_every, settings.sample_trajectories
+        self.tokenizer_path = settings.resolved_model_path()
+        self._tokenizer: Any = None
+
+    def write(self, step: int, version: int, figures: dict[str, float], groups: list[Group]) -> dict[str, Any]:
+        record = self.journal.write(step, version, figures)
+        self.tracker.log(record, step)
+        if self.samples and self.sample_every and step % self.sample_every == 0:
+            self._samples(step, groups)
+        return record
+
+    def _samples(self, step: int, groups: list[Group]) -> None:
+        from mempo.samples import sample_rows
+
+        try:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            rows = sample_rows(self._tokenizer, groups, self.samples)
+        except Exception as exc:
+            log.warning("no samples at step %d (%s: %s)", step, type(exc).__name__, exc)
+            return
+        self.tracker.log_samples(rows, step)
+
+    def close(self) -> None:
+        self.tracker.close()

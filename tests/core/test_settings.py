@@ -48,7 +48,7 @@ def _changed(field: FieldInfo, current: Any) -> Any:
     if kind is Path:
         return Path("/srv/mempo") / "x"
     if get_origin(kind) is list:
-        return [1, 3]
+        return [1, 3] if get_args(kind) == (int,) else ["jsonl", "tensorboard"]
     if get_origin(kind) is tuple:
         return (0.8, 0.95)
     if kind is str:
