@@ -233,13 +233,15 @@ class MLflow:
     def __init__(self, tracker: Tracker, name: str, config: dict[str, Any]) -> None:
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(tracker.run_dir / 'mlflow.db').resolve()}"
+        local = not os.environ.get("MLFLOW_TRACKING_URI")  # the run's own store and artifacts
+        uri = f"sqlite:///{(tracker.run_dir / 'mlflow.db').resolve()}" if local else None
         self.client = MlflowClient(tracking_uri=uri)
         run_id = tracker.state.get("mlflow_run_id")
         if run_id is None:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mempo")
             found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            artifacts = (tracker.run_dir / "mlflow-artifacts").resolve().as_uri() if local else None
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
             run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
             for key, value in list(_flat(config).items())[:100]:
                 self.client.log_param(run_id, key, str(value)[:500])

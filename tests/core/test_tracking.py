@@ -111,6 +111,7 @@ def test_every_tracker_holds_the_steps_under_verl_names_and_a_restart_goes_on(tm
     assert "samples/_type" in history  # the sample table
     assert mlflow_steps(tmp_path) == {**want}
     assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step-2.jsonl", "step-4.jsonl"]
+    assert list((tmp_path / "mlflow-artifacts").rglob("step-4.jsonl"))  # inside the run, never ./mlruns
 
 
 class Raising:
