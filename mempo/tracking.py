@@ -3,8 +3,8 @@
 ``Tracker(run_dir, backends)`` logs every step's figures (``log``), decoded sample
 rollouts (``log_samples``) and ends with ``close``. The backends:
 
-- ``jsonl`` (always on): the step's figures under today's names in ``metrics.jsonl`` is
-  the learner's own journal; here, samples go to ``samples/step-<n>.jsonl``;
+- ``jsonl`` (always on): samples to ``samples/step-<n>.jsonl``, and with ``journal`` the
+  figures to ``metrics.jsonl`` (the learner keeps its own journal, under today's names);
 - ``tensorboard``: event files in ``<run_dir>/tb/`` (``tensorboard --logdir runs``);
 - ``wandb``: Weights & Biases, offline unless an API key is set or ``WANDB_MODE`` says
   otherwise (a run folder under ``<run_dir>/wandb/`` that ``wandb sync`` uploads later;
@@ -99,12 +99,13 @@ class Tracker:
 
     def __init__(
         self, run_dir: Path, backends: Sequence[str], name: str | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None, journal: bool = False, resume: bool = True,
     ) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = journal
         self.state_path = self.run_dir / "tracking.json"
-        self.state = _read_json(self.state_path)
+        self.state = _read_json(self.state_path) if resume else {}
         self.last_step = int(self.state.get("last_step", -1))
         self.backends: dict[str, Backend] = {}
         for backend in check_backends(backends):
@@ -149,7 +150,7 @@ class Tracker:
 
 def _open(backend: str, tracker: Tracker, name: str, config: dict[str, Any]) -> Backend:
     if backend == "jsonl":
-        return JsonlSamples(tracker.run_dir)
+        return Jsonl(tracker.run_dir, tracker.journal)
     if backend == "tensorboard":
         return TensorBoard(tracker.run_dir / "tb")
     if backend == "wandb":
@@ -157,14 +158,19 @@ def _open(backend: str, tracker: Tracker, name: str, config: dict[str, Any]) -> 
     return MLflow(tracker, name, config)
 
 
-class JsonlSamples:
-    """Samples as ``samples/step-<n>.jsonl``; the figures are the journal's (metrics.jsonl)."""
+class Jsonl:
+    """Samples as ``samples/step-<n>.jsonl``; with ``journal``, figures to ``metrics.jsonl``."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, journal: bool) -> None:
         self.folder = run_dir / "samples"
+        self.journal = run_dir / "metrics.jsonl" if journal else None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
+        if self.journal is not None:
+            import time
+
+            with self.journal.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
     def log_samples(self, rows: Sequence[Mapping[str, Any]], step: int) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -195,8 +195,9 @@ def evaluate_cmd(
     ] = None,
     world_seed: Annotated[int, typer.Option(help="the agent's world (its test split is held out)")] = 0,
     transcripts: Annotated[
-        int, typer.Option(min=0, help="write this many decoded episodes per mode and k (transcripts-<mode>-k<k>.md)")
+        int, typer.Option(min=0, help="write this many decoded episodes per mode and k (transcripts-<mode>-k<k>.md, .jsonl)")
     ] = 0,
+    track: Annotated[str, typer.Option(help="trackers of the figures beside eval.json: tensorboard, wandb, mlflow")] = "",
 ) -> None:
     """Evaluate a policy on held-out world tasks: EM, F1, total and peak tokens per task,
     and how the episodes failed (failure kinds: mempo_cli/launcher/transcripts.py)."""
@@ -215,12 +216,19 @@ def evaluate_cmd(
         fail(f"--every-question evaluates 1-question tasks: give --ks 1 (got {ks!r})")
     if engine_url is not None and not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url must be an http:// or https:// URL (got {engine_url!r})")
+    from mempo.tracking import check_backends
+
+    try:
+        trackers = check_backends([t.strip() for t in track.split(",") if t.strip()])
+    except ValueError as exc:
+        fail(f"--track: {exc}")
     quiet_hub()
     configure_logging("WARNING")
     out = out or model.resolve().parent / f"eval-{model.name}"
     engine = engine_url.rstrip("/") if engine_url else None
     opts = EvalOptions(ks=k_list, tasks=tasks, modes=mode_list, score=score, engine_url=engine,
-                       every_question=every_question, world_seed=world_seed, transcripts=transcripts)
+                       every_question=every_question, world_seed=world_seed, transcripts=transcripts,
+                       track=trackers)
     try:
         report = evaluate(model.resolve(), out, opts)
     except (RuntimeError, TimeoutError) as exc:  # a child (ChildFailed) or redis-server failed

@@ -24,6 +24,7 @@ from mempo.agent_format import first_prompt_ids, full_next_prompt_ids, informati
 from mempo.procs import free_port
 from mempo.rewards import multi_f1
 from mempo.schemas import Group, Task
+from mempo.tracking import Tracker
 from mempo_cli.launcher.supervisor import Supervisor
 from mempo_cli.launcher.transcripts import count_failures, write_transcripts
 from mempo_cli.launcher.up import ONE_THREAD, local_url
@@ -50,6 +51,7 @@ class EvalOptions:
     engine_url: str | None = None  # a running engine serving the policy (no trailing /); None: start a CPU one
     every_question: bool = False  # k = 1: every distinct question of the split once (``tasks`` unused)
     transcripts: int = 0  # decoded episodes written per mode and k (mempo_cli.launcher.transcripts)
+    track: Sequence[str] = ("jsonl",)  # trackers of the figures (mempo.tracking)
 
 
 def summarize(groups: list[Group]) -> dict[str, float]:
@@ -164,8 +166,9 @@ def check_engine(engine_url: str) -> None:
 
 def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
     """Evaluate ``model``; returns {"model", "results": {mode: {k: figures}}, "failures":
-    {mode: {k: {kind: episodes}}}} and writes ``opts.transcripts`` decoded episodes per
-    mode and k to ``run_dir`` (transcripts-<mode>-k<k>.md)."""
+    {mode: {k: {kind: episodes}}}}, logs the figures to ``opts.track`` (``eval/<mode>/k<k>/
+    <figure>``) and writes ``opts.transcripts`` decoded episodes per mode and k to
+    ``run_dir`` (transcripts-<mode>-k<k>.md and .jsonl)."""
     from transformers import AutoTokenizer
 
     results: dict[str, dict[str, dict[str, float]]] = {mode: {} for mode in opts.modes}
@@ -184,10 +187,22 @@ def evaluate(model: Path, run_dir: Path, opts: EvalOptions) -> dict[str, Any]:
                     results[mode][str(k)] |= full_history_figures(tok, groups)
                 failures[mode][str(k)] = count_failures(world, tok, groups)
                 if opts.transcripts:
-                    write_transcripts(run_dir / f"transcripts-{mode}-k{k}.md", world, tok,
+                    write_transcripts(run_dir / f"transcripts-{mode}-k{k}", world, tok,
                                       groups[: opts.transcripts], f"{model}: {mode} mode, k = {k}")  # fmt: skip
                 log.info("eval %s k=%d: %s %s", mode, k, results[mode][str(k)], failures[mode][str(k)])
+    _track(run_dir, model, opts, results)
     return {"model": str(model), "split": opts.split, "results": results, "failures": failures}
+
+
+def _track(run_dir: Path, model: Path, opts: EvalOptions, results: dict[str, dict[str, dict[str, float]]]) -> None:
+    """The figures to the trackers, as one step (0): ``eval/<mode>/k<k>/<figure>``."""
+    from dataclasses import asdict
+
+    tracker = Tracker(run_dir, opts.track, f"eval-{model.name}", asdict(opts), journal=True, resume=False)
+    figures = {f"eval/{mode}/k{k}/{name}": value
+               for mode, by_k in results.items() for k, named in by_k.items() for name, value in named.items()}  # fmt: skip
+    tracker.log(figures, 0)
+    tracker.close()
 
 
 def plot_eval(report: dict[str, Any], out: Path) -> Path:

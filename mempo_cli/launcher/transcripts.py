@@ -2,7 +2,9 @@
 
 ``mempo eval --transcripts K`` writes the first K episodes of every mode and number of
 questions as a Markdown file (``transcripts-<mode>-k<k>.md``: each round's response as
-the agent wrote it and the search result it was shown); every eval counts the failure
+the agent wrote it and the search result it was shown) and as JSON lines
+(``transcripts-<mode>-k<k>.jsonl``: each round's memory, thought, query, information,
+answer, P_mem and P_full, and the episode's failure kind); every eval counts the failure
 kinds of all its episodes (``eval.json``'s ``failures``). An episode gets the first kind
 of this list that fits it:
 
@@ -23,6 +25,7 @@ of this list that fits it:
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -31,6 +34,7 @@ from typing import Any
 
 from mempo.agent_format import parse_response
 from mempo.rewards import split_answers
+from mempo.samples import trajectory_row
 from mempo.schemas import Group, Trajectory
 from mempo_sim.world import Question, World
 
@@ -139,32 +143,26 @@ def count_failures(world: World, tok: Any, groups: Sequence[Group]) -> dict[str,
 
 
 def write_transcripts(
-    path: Path, world: World, tok: Any, groups: Sequence[Group], title: str
-) -> Path:
-    """The episodes of ``groups`` as Markdown, each with its failure kind."""
-    lines = [f"# {title}", ""]
+    stem: Path, world: World, tok: Any, groups: Sequence[Group], title: str
+) -> list[Path]:
+    """The episodes of ``groups``, each with its failure kind: readable (``<stem>.md``) and
+    one JSON line each, round by round (``<stem>.jsonl``, mempo.samples' rows)."""
+    lines, rows = [f"# {title}", ""], []
     for number, group in enumerate(groups, start=1):
         traj = group.trajectories[0]
         responses = decoded(tok, traj)
         kind = failure_kind(world, group.task.questions, traj, memories(responses))
-        gold = " | ".join(a[0] for a in group.task.answers)
+        gold = [a[0] for a in group.task.answers]
+        rows.append({"episode": number, "kind": kind, **trajectory_row(tok, group.task.questions, gold, traj)})
         lines += [f"## episode {number}: {kind}", "", f"- questions: {' | '.join(group.task.questions)}",
-                  f"- gold: {gold}", f"- answer: {traj.answer_text!r} (reward {traj.reward:.2f}, format ok "
+                  f"- gold: {' | '.join(gold)}", f"- answer: {traj.answer_text!r} (reward {traj.reward:.2f}, format ok "
                   f"{traj.format_ok}, {traj.num_tokens} tokens)", ""]  # fmt: skip
         for rnd, text in zip(traj.rounds, responses, strict=True):
-            lines += [
-                f"round {rnd.index + 1} ({len(rnd.prompt_ids)} prompt tokens):",
-                "```",
-                text.strip(),
-                "```",
-            ]
+            lines += [f"round {rnd.index + 1} ({len(rnd.prompt_ids)} prompt tokens):", "```", text.strip(), "```"]
             if rnd.query is not None:
-                lines += [
-                    "search result:",
-                    "```",
-                    (rnd.information or "").strip() or "(nothing found)",
-                    "```",
-                ]
+                lines += ["search result:", "```", (rnd.information or "").strip() or "(nothing found)", "```"]
         lines.append("")
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
+    markdown, jsonl = stem.with_suffix(".md"), stem.with_suffix(".jsonl")
+    markdown.write_text("\n".join(lines), encoding="utf-8")
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return [markdown, jsonl]

@@ -32,6 +32,8 @@ FEEDS: dict[str, tuple[str, str]] = {
     "neg_adv_scale": ("learner", "trainer.neg_adv_scale"),
     "mem_loss": ("learner", "trainer.mem_loss"),
     "weight_sync": ("learner", "weight_sync"),
+    "track": ("learner", "tracking"),
+    "sample_every": ("learner", "sample_every"),
     "reward": ("worker", "reward_kind"),
     "max_new_tokens": ("worker", "max_new_tokens"),
 }

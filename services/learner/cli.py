@@ -64,6 +64,10 @@ def _parse_ks(value: Any) -> Any:
     return parse_ks(value) if isinstance(value, (str, int)) else value
 
 
+def _split(value: Any) -> Any:
+    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+
 class SftCommand(BaseModel):
     """``mempo sft``'s options besides the training's own (SftConfig's fields)."""
 
@@ -99,12 +103,26 @@ class SftCommand(BaseModel):
     device: str = "cpu"
     """Torch device."""
 
+    track: Annotated[list[str], BeforeValidator(_split)] = ["jsonl"]
+    """Where the loss goes: jsonl (run_dir/metrics.jsonl, always) and any of tensorboard,
+    wandb, mlflow, comma separated."""
+
+    run_dir: Path | None = None
+    """Folder of the run's metrics.jsonl and trackers' files (default: <out>-run beside it)."""
+
     @field_validator("k")
     @classmethod
     def _check_k(cls, ks: list[int]) -> list[int]:
         if not ks or not all(1 <= n <= 64 for n in ks):
             raise ValueError(f"every number of questions must be 1..64 (got {ks})")
         return ks
+
+    @field_validator("track")
+    @classmethod
+    def _check_track(cls, track: list[str]) -> list[str]:
+        from mempo.tracking import check_backends
+
+        return check_backends(track)
 
     @field_validator("data")
     @classmethod
@@ -123,6 +141,7 @@ def sft(ctx: typer.Context) -> None:
 
     from mempo.options import command_options, read_options, validated
     from mempo.settings import configure_logging, quiet_hub
+    from mempo.tracking import Tracker
     from mempo_sim.tiny import default_cache_dir, ensure_tiny
     from services.learner.sft import SftConfig, jsonl_sequences, oracle_sequences, train_sft
 
@@ -158,7 +177,12 @@ def sft(ctx: typer.Context) -> None:
             )
     except ValueError as exc:
         fail(str(exc))
-    report = train_sft(model_path, sequences, cmd.out, config, cmd.device)
+    run_dir = cmd.run_dir or cmd.out.with_name(f"{cmd.out.name}-run")
+    tracker = Tracker(run_dir, cmd.track, f"sft-{cmd.out.name}", given, journal=True, resume=False)
+    try:
+        report = train_sft(model_path, sequences, cmd.out, config, cmd.device, tracker)
+    finally:
+        tracker.close()
     typer.echo(json.dumps({
         "out": str(report.out_dir), "steps": report.steps, "sequences": report.sequences,
         "first_loss": report.first_loss, "last_loss": report.last_loss, "tokens_per_s": report.tokens_per_s,

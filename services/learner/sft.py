@@ -36,6 +36,7 @@ from mempo.files import atomic_dir
 from mempo.next_prompt import next_prompt_ids
 from mempo.schedule import cosine_schedule
 from mempo.schemas import Round, Trajectory
+from mempo.tracking import Tracker
 from services.learner.batch import TrainingBatch, TrainSequence, trajectory_sequences
 from services.learner.packing import forward_logprobs, micro_batches
 
@@ -302,8 +303,10 @@ def train_sft(
     out_dir: Path,
     config: SftConfig,
     device: str = "cpu",
+    tracker: Tracker | None = None,
 ) -> SftReport:
-    """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy."""
+    """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy; every
+    ``log_every`` steps the loss to the log and ``tracker``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.learner.trainer import seed_everything
@@ -346,6 +349,9 @@ def train_sft(
         if step % config.log_every == 0 or step == steps:
             rate = tokens / (time.perf_counter() - started)
             log.info("sft step %s/%s loss %.4f tokens/s %.0f", step, steps, losses[-1], rate)
+            if tracker is not None:
+                lr = scheduler.get_last_lr()[0]
+                tracker.log({"sft/loss": losses[-1], "actor/lr": lr, "perf/throughput": rate}, step)
     _write_policy(model, Path(model_path), out_dir)
     return SftReport(
         out_dir=out_dir,

@@ -3,6 +3,8 @@ told apart on episodes written as the agent writes them, and the Markdown transc
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -132,10 +134,15 @@ def test_oracle_episodes_are_correct_and_transcribed(
         )
     counts = count_failures(world, tokenizer, groups)
     assert list(counts) == list(KINDS) and counts["correct"] == 3 and sum(counts.values()) == 3
-    path = write_transcripts(
-        tmp_path / "t.md", world, tokenizer, groups[:2], "oracle, memory mode, k = 2"
+    markdown, jsonl = write_transcripts(
+        tmp_path / "t", world, tokenizer, groups[:2], "oracle, memory mode, k = 2"
     )
-    text = path.read_text()
+    text = markdown.read_text()
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["episode"], r["kind"]) for r in rows] == [(1, "correct"), (2, "correct")]
+    first_round = rows[0]["rounds"][0]
+    assert first_round["memory"] is not None and first_round["query"] and first_round["information"]
+    assert rows[0]["rounds"][-1]["answer"] and rows[0]["questions"] == groups[0].task.questions
     assert text.count("## episode ") == 2 and "## episode 1: correct" in text
     first = groups[0]
     assert first.task.questions[0] in text and "search result:" in text

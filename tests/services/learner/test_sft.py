@@ -247,8 +247,11 @@ def test_mempo_sft_command(tiny_model_dir: Path, tmp_path: Path) -> None:
         "--tasks",
         "2",
     ]
-    result = runner.invoke(cli.app, [*args, "--mode", "full", "--k", "1-2"])
+    result = runner.invoke(cli.app, [*args, "--mode", "full", "--k", "1-2", "--track", "tensorboard"])
     assert result.exit_code == 0, result.output
+    run = tmp_path / "policy-run"  # the loss of every logged step, beside the checkpoint
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2]
+    assert list((run / "tb").glob("events.out.tfevents.*"))
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (out / "model.safetensors").is_file()
     assert summary["sequences"] == 4  # 2 tasks of 1 question + 2 of 2, one sequence each
