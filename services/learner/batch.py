@@ -347,6 +347,11 @@ def _stats(
         "adv_mean": float(adv.mean()),
         "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
         "adv_abs_max": float(adv.abs().max()),
+        "adv_max": float(adv.max()),
+        "adv_min": float(adv.min()),
+        "mem_reward_std": float(np.std(flat.mem_rewards)) if flat.mem_rewards else 0.0,
+        "response_length_mean": mean([len(r.response_ids) for t in trajectories for r in t.rounds]),
+        "response_length_max": float(max(len(r.response_ids) for t in trajectories for r in t.rounds)),
         "mem_token_frac": float(batch.in_memory.float().mean()),
     }
 

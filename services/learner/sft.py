@@ -297,6 +297,21 @@ def _write_policy(model: Any, base_dir: Path, out_dir: Path) -> None:
         export_hf(state, model.config, base_dir, tmp, tied=tied_parameter_names(model))
 
 
+def _token_weights(model_path: str | Path, sequences: list[TrainSequence], tokens: int, copy_weight: float) -> torch.Tensor:
+    """Each trained token's loss weight: 1, or ``copy_weight`` on what the agent copies."""
+    if copy_weight == 1.0:
+        return torch.ones(tokens)
+    from transformers import AutoTokenizer
+
+    return copy_weights(cast(Tokenizer, AutoTokenizer.from_pretrained(model_path)), sequences, copy_weight)
+
+
+def _report(step: int, steps: int, figures: dict[str, float], tracker: Tracker | None) -> None:
+    log.info("sft step %s/%s loss %.4f tokens/s %.0f", step, steps, figures["sft/loss"], figures["perf/throughput"])
+    if tracker is not None:
+        tracker.log(figures, step)
+
+
 def train_sft(
     model_path: str | Path,
     sequences: list[TrainSequence],
@@ -307,7 +322,7 @@ def train_sft(
 ) -> SftReport:
     """Fine-tune on ``sequences`` and write an HF checkpoint usable as the policy; every
     ``log_every`` steps the loss to the log and ``tracker``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from services.learner.trainer import seed_everything
 
@@ -323,15 +338,7 @@ def train_sft(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
     batch = TrainingBatch.of(sequences)
-    weights = (
-        torch.ones(batch.num_tokens)
-        if config.copy_weight == 1.0
-        else copy_weights(
-            cast(Tokenizer, AutoTokenizer.from_pretrained(model_path)),
-            sequences,
-            config.copy_weight,
-        )
-    )
+    weights = _token_weights(model_path, sequences, batch.num_tokens, config.copy_weight)
     per_step = min(config.batch_sequences, len(sequences))
     steps = config.steps or max(1, math.ceil(config.epochs * len(sequences) / per_step))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -348,10 +355,8 @@ def train_sft(
         tokens += sum(len(sequences[i].input_ids) for i in seqs)
         if step % config.log_every == 0 or step == steps:
             rate = tokens / (time.perf_counter() - started)
-            log.info("sft step %s/%s loss %.4f tokens/s %.0f", step, steps, losses[-1], rate)
-            if tracker is not None:
-                lr = scheduler.get_last_lr()[0]
-                tracker.log({"sft/loss": losses[-1], "actor/lr": lr, "perf/throughput": rate}, step)
+            _report(step, steps, {"sft/loss": losses[-1], "actor/lr": scheduler.get_last_lr()[0],
+                                  "perf/throughput": rate}, tracker)  # fmt: skip
     _write_policy(model, Path(model_path), out_dir)
     return SftReport(
         out_dir=out_dir,
