@@ -355,7 +355,7 @@ def train_sft(
         tokens += sum(len(sequences[i].input_ids) for i in seqs)
         if step % config.log_every == 0 or step == steps:
             rate = tokens / (time.perf_counter() - started)
-            _report(step, steps, {"sft/loss": losses[-1], "actor/lr": scheduler.get_last_lr()[0],
+            _report(step, steps, {"sft/loss": losses[-1], "actor/lr": float(scheduler.get_last_lr()[0]),
                                   "perf/throughput": rate}, tracker)  # fmt: skip
     _write_policy(model, Path(model_path), out_dir)
     return SftReport(
