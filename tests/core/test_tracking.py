@@ -145,3 +145,15 @@ def test_an_unknown_tracker_or_a_missing_package_is_refused_at_start(monkeypatch
     with pytest.raises(ValueError, match=r"pip install 'mempo\[tracking\]'"):
         check_backends(["wandb"])
     assert check_backends([]) == ["jsonl"]
+
+
+def test_the_name_table_of_the_docs_is_the_code_s() -> None:
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = dict(
+        line.strip("| ").replace("`", "").split(" | ")
+        for line in text.split("| metrics.jsonl | trackers |", 1)[1].splitlines()[2:]
+        if line.startswith("| `")
+    )
+    assert table == NAMES
