@@ -12,8 +12,14 @@ slime, since a lone sample carries no relative signal. With ``norm_by_std=False`
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+MemBaseline = Literal["full", "none", "prev"]
+MemGate = Literal["all", "success"]
+MemNorm = Literal["pool", "round", "centred"]
 
 # The default memory-advantage guard (docs/architecture.md, 'The algorithm': pools whose
 # spread is noise must not drive the <mem> tokens). R_M = P_mem - P_full lies in [-1, 1].
@@ -69,8 +75,39 @@ def grpo_outcome_advantage(
     return _group_normalize(rewards, group_ids, eps, norm_by_std)
 
 
+def memory_rewards(
+    p_mem: Tensor, p_full: Tensor, p_task: float | None, baseline: MemBaseline = "full"
+) -> Tensor:
+    """R_M of one trajectory's memories (its rounds with a memory, in order): P_mem minus
+    the baseline. full: P_full (MemPO); none: P_task, the task alone with an empty memory
+    (InfoMem); prev: the previous memory's P_mem, P_task for the first (HiMPO).
+
+    Args:
+        p_mem, p_full: (T,) of each round with a memory.
+        p_task: the gold answer's probability given the task alone (none and prev need it).
+    Returns:
+        (T,) float32 rewards.
+    """
+    p_mem, p_full = p_mem.to(torch.float32), p_full.to(torch.float32)
+    if baseline == "full":
+        return p_mem - p_full
+    if p_task is None:
+        raise ValueError(f"mem_baseline {baseline!r} needs P_task (the scorer's task_score)")
+    start = torch.full((1,), p_task, dtype=torch.float32)
+    if baseline == "none":
+        return p_mem - start
+    if baseline == "prev":
+        return p_mem - torch.cat([start, p_mem[:-1]])
+    raise ValueError(f"unknown mem_baseline {baseline!r}")
+
+
 def memory_advantage(
-    mem_rewards: Tensor, pool_ids: Tensor, eps: float = 1e-6, min_std: float = MEM_MIN_STD
+    mem_rewards: Tensor,
+    pool_ids: Tensor,
+    eps: float = 1e-6,
+    min_std: float = MEM_MIN_STD,
+    norm: MemNorm = "pool",
+    round_ids: Tensor | None = None,
 ) -> Tensor:
     """A_M(i,t) = (R_M(i,t) - mean_pool) / (std_pool + eps), R_M = P_mem - P_full.
 
@@ -80,10 +117,15 @@ def memory_advantage(
     (all P ~ 0.01), which the normalisation would turn into unit-scale advantages that
     make the policy drift (measured in docs/results.md).
 
+    ``norm``: pool (above, MemPO's); round (the same per round index within the pool,
+    ``round_ids`` required); centred (R_M - mean_pool, not divided by the std, which
+    keeps the memory term in probability units; a pool below ``min_std`` still gets 0).
+
     Args:
         mem_rewards: (K,) memory reward of each (trajectory, round) with a memory.
         pool_ids: (K,) pool of each item: every round of every trajectory of one group.
         min_std: pools with a smaller std get no memory advantage.
+        round_ids: (K,) round index of each item (norm round).
     Returns:
         (K,) float32 advantages; 0 for a pool of size 1, with zero variance, or with a
         std below ``min_std``.
@@ -94,7 +136,24 @@ def memory_advantage(
         )
     if min_std < 0:
         raise ValueError(f"min_std must be >= 0 (got {min_std})")
-    return _group_normalize(mem_rewards, pool_ids, eps, norm_by_std=True, min_std=min_std)
+    if norm == "round":
+        if round_ids is None or round_ids.shape != pool_ids.shape:
+            raise ValueError("norm round needs round_ids of the pools' shape")
+        if pool_ids.numel():
+            pool_ids = pool_ids * (int(round_ids.max()) + 1) + round_ids
+    elif norm not in ("pool", "centred"):
+        raise ValueError(f"unknown mem_norm {norm!r}")
+    return _group_normalize(mem_rewards, pool_ids, eps, norm_by_std=norm != "centred", min_std=min_std)
+
+
+def gate_success(mem_advantages: Tensor, item_rewards: Tensor) -> Tensor:
+    """A_M times 1[R_T > 0]: memories of trajectories that failed get no memory credit.
+
+    Args:
+        mem_advantages: (K,) after normalisation.
+        item_rewards: (K,) outcome reward R_T of each item's trajectory.
+    """
+    return torch.where(item_rewards > 0, mem_advantages.to(torch.float32), torch.zeros_like(mem_advantages, dtype=torch.float32))
 
 
 def token_advantages(
