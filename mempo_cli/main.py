@@ -40,7 +40,9 @@ app = typer.Typer(
 tiny_app = typer.Typer(help="The tiny local Qwen2 model.", no_args_is_help=True)
 world_app = typer.Typer(help="The built-in synthetic QA world.", no_args_is_help=True)
 app.add_typer(tiny_app, name="tiny")
+runs_app = typer.Typer(help="Run folders (runs/<name>/).", no_args_is_help=True)
 app.add_typer(world_app, name="world")
+app.add_typer(runs_app, name="runs")
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +178,35 @@ def plot_cmd(
         fail(f"{metrics} holds no step with figures to plot")
     for path in written:
         typer.echo(str(path))
+
+
+@runs_app.command("compare")
+def runs_compare(
+    runs: Annotated[list[Path], typer.Argument(help="run folders holding metrics.jsonl (runs/a runs/b ...)")],
+    out: Annotated[Path, typer.Option(help="the PNG (its table beside it as .json)")] = Path("compare.png"),
+    labels: Annotated[str | None, typer.Option(help="a name per run, comma separated (default: folder names)")] = None,
+) -> None:
+    """Runs side by side: their curves on one PNG, a table of their final figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mempo_cli.launcher.compare import compare_runs
+
+    names = [name.strip() for name in labels.split(",")] if labels else None
+    if names is not None and len(names) != len(runs):
+        fail(f"--labels has {len(names)} names for {len(runs)} runs")
+    try:
+        figures = compare_runs(runs, out, names)
+    except ValueError as exc:
+        fail(str(exc))
+    table = Table(title=f"{len(figures)} runs: final figures")
+    for column in ["", *figures]:
+        table.add_column(column, justify="right")
+    for name in next(iter(figures.values())):
+        values = [row[name] for row in figures.values()]
+        table.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
+    Console().print(table)
+    typer.echo(f"wrote {out} and {out.with_suffix('.json')}")
 
 
 @app.command("eval")

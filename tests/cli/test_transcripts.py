@@ -4,7 +4,6 @@ told apart on episodes written as the agent writes them, and the Markdown transc
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
