@@ -72,6 +72,11 @@ ARMS = {  # what tells the arms apart; the task mix (--rl-questions) and reward 
     "span": ["--alpha", "1", "--mem-loss", "span-mean"],  # FoldAct's per-span loss
     "mempo-a03": ["--alpha", "0.3"],  # a smaller memory advantage weight
     "mempo-a01": ["--alpha", "0.1"],  # smaller still
+    # How a memory earns its credit (docs/trainer.md): the 2026 variants, at alpha 1
+    "mempo-none-success": ["--alpha", "1", "--mem-baseline", "none", "--mem-gate", "success"],  # InfoMem
+    "mempo-prev": ["--alpha", "1", "--mem-baseline", "prev"],  # HiMPO
+    "mempo-centred": ["--alpha", "1", "--mem-norm", "centred"],  # Dr.GRPO on the memory term
+    "mempo-round": ["--alpha", "1", "--mem-norm", "round"],
 }
 # Figures of every k > 1 in a seed's row: {policy}_{mode tag}{name}_k{k}.
 K_FIGURES = {"em": "em", "f1": "f1", "format_rate": "format", "tokens_per_task": "tokens_per_task",

@@ -58,6 +58,11 @@ class Task(Record):
     n: int = Field(default=4, ge=1, le=1024, description="rollouts of this task (group size)")
     mode: Mode = "memory"
     max_rounds: int = Field(default=8, ge=1, le=256)
+    score_task: bool = Field(
+        default=False,
+        description="also score P_task, the gold answer given the task alone (an empty memory); "
+        "the learner asks when its trainer's mem_baseline is none or prev",
+    )
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -123,6 +128,9 @@ class Trajectory(Record):
     format_ok: bool = False
     p_mem: list[float] = Field(default_factory=list)
     p_full: list[float] = Field(default_factory=list)
+    p_task: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="P(gold | task, an empty memory): the same for a task's trajectories"
+    )
     num_tokens: int = Field(
         default=0, ge=0, description="prompt + response tokens the engine processed"
     )

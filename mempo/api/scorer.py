@@ -92,6 +92,11 @@ class MemoryScoresRequest(BaseModel):
     alias_policy: AliasPolicy | None = Field(
         default=None, description="best (max P over aliases) or first; null: the server's default"
     )
+    task_score: bool = Field(
+        default=False,
+        description="also P_task of each trajectory: the gold answer given the task alone (the "
+        "memory context with an empty memory), scored once per distinct task of the request",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +124,9 @@ class TrajectoryScores(BaseModel):
     candidates: list[str] = Field(
         description="gold answer strings scored (agent_format.answer_candidates); with the "
         "'best' policy p_mem and p_full each take the max over them"
+    )
+    p_task: float | None = Field(
+        default=None, description="P(gold | task + an empty memory); null unless task_score"
     )
 
 

@@ -48,9 +48,14 @@ class ScorerClient(ServiceClient):
         return response.text
 
     async def memory_scores(
-        self, trajectories: Sequence[MemoryTrajectory], alias_policy: AliasPolicy = "best"
+        self,
+        trajectories: Sequence[MemoryTrajectory],
+        alias_policy: AliasPolicy = "best",
+        task_score: bool = False,
     ) -> MemoryScoresResponse:
-        req = MemoryScoresRequest(trajectories=list(trajectories), alias_policy=alias_policy)
+        req = MemoryScoresRequest(
+            trajectories=list(trajectories), alias_policy=alias_policy, task_score=task_score
+        )
         return MemoryScoresResponse.model_validate_json(
             await self._post("/v1/memory-scores", req.model_dump_json())
         )

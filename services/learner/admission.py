@@ -90,6 +90,7 @@ class TaskSpec:
     n: int = 4
     mode: Mode = "memory"
     max_rounds: int = 8
+    score_task: bool = False  # P_task too (the trainer's mem_baseline none or prev)
 
 
 class Admission:
@@ -135,4 +136,5 @@ class Admission:
             n=self.spec.n,
             mode=self.spec.mode,
             max_rounds=self.spec.max_rounds,
+            score_task=self.spec.score_task,
         )

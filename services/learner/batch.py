@@ -32,8 +32,13 @@ from torch import Tensor
 
 from mempo.advantages import (
     MEM_MIN_STD,
+    MemBaseline,
+    MemGate,
+    MemNorm,
+    gate_success,
     grpo_outcome_advantage,
     memory_advantage,
+    memory_rewards,
     scale_negative,
     token_advantages,
 )
@@ -209,12 +214,13 @@ class _Flat:
     group_of: list[int] = field(default_factory=list)  # (B,)
     mem_rewards: list[float] = field(default_factory=list)  # (M,)
     mem_pool: list[int] = field(default_factory=list)  # (M,)
+    mem_round: list[int] = field(default_factory=list)  # (M,)
     p_mem: list[float] = field(default_factory=list)  # (M,)
     p_full: list[float] = field(default_factory=list)  # (M,)
     item_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (b, round) -> item
 
 
-def _flatten(groups: Sequence[Group]) -> tuple[_Flat, list[Trajectory]]:
+def _flatten(groups: Sequence[Group], baseline: MemBaseline = "full") -> tuple[_Flat, list[Trajectory]]:
     flat, trajectories = _Flat(), list[Trajectory]()
     for g, group in enumerate(groups):
         for traj in group.trajectories:
@@ -222,13 +228,15 @@ def _flatten(groups: Sequence[Group]) -> tuple[_Flat, list[Trajectory]]:
             trajectories.append(traj)
             flat.rewards.append(traj.reward)
             flat.group_of.append(g)
-            if not traj.p_mem:  # no scores: its memories get no memory advantage
-                continue
+            if not traj.p_mem or (baseline != "full" and traj.p_task is None):
+                continue  # no scores: its memories get no memory advantage
             mem_rounds = [t for t, r in enumerate(traj.rounds) if r.mem_span is not None]
-            for t, pm, pf in zip(mem_rounds, traj.p_mem, traj.p_full, strict=True):
+            r_m = memory_rewards(torch.tensor(traj.p_mem), torch.tensor(traj.p_full), traj.p_task, baseline)
+            for t, pm, pf, r in zip(mem_rounds, traj.p_mem, traj.p_full, r_m.tolist(), strict=True):
                 flat.item_of[(b, t)] = len(flat.mem_rewards)
-                flat.mem_rewards.append(pm - pf)
+                flat.mem_rewards.append(r)
                 flat.mem_pool.append(g)
+                flat.mem_round.append(t)
                 flat.p_mem.append(pm)
                 flat.p_full.append(pf)
     return flat, trajectories
@@ -242,15 +250,18 @@ def build_batch(
     mem_min_std: float = MEM_MIN_STD,
     *,
     neg_adv_scale: float = 1.0,
+    mem_baseline: MemBaseline = "full",
+    mem_gate: MemGate = "all",
+    mem_norm: MemNorm = "pool",
 ) -> TrainingBatch:
     """Groups -> sequences, per-token advantages (A_T + alpha * A_M on <mem> tokens).
 
     ``neg_adv_scale`` multiplies every negative per-token advantage, after A_T and
     alpha * A_M are combined (mempo.advantages.scale_negative; 1 leaves them unchanged).
-    """
+    ``mem_*``: how a memory earns its credit (TrainerConfig; the defaults are MemPO's)."""
     if not groups:
         raise ValueError("build_batch needs at least one group")
-    flat, trajectories = _flatten(groups)
+    flat, trajectories = _flatten(groups, mem_baseline)
     sequences = _sequences(groups, flat, trajectories)
     if not sequences:
         raise ValueError("the batch has no response token to train on")
@@ -260,12 +271,7 @@ def build_batch(
         eps,
         norm_by_std,
     )  # (B,)
-    memory = memory_advantage(
-        torch.tensor(flat.mem_rewards, dtype=torch.float32),
-        torch.tensor(flat.mem_pool),
-        eps,
-        mem_min_std,
-    )  # (M,)
+    memory = _memory_advantages(flat, eps, mem_min_std, mem_norm, mem_gate)  # (M,)
     n, length = len(sequences), max(len(s.input_ids) for s in sequences)
     loss_mask = torch.zeros(n, length, dtype=torch.bool)  # (N, L)
     for i, seq in enumerate(sequences):
@@ -290,6 +296,18 @@ def build_batch(
     batch.in_memory = inside[loss_mask] > 0
     batch.stats = _stats(groups, trajectories, flat, outcome, memory, batch)
     return batch
+
+
+def _memory_advantages(flat: _Flat, eps: float, min_std: float, norm: MemNorm, gate: MemGate) -> Tensor:
+    """A_M of every memory item (M,): normalised by ``norm``, then gated by ``gate``."""
+    memory = memory_advantage(
+        torch.tensor(flat.mem_rewards, dtype=torch.float32), torch.tensor(flat.mem_pool, dtype=torch.long),
+        eps, min_std, norm, torch.tensor(flat.mem_round, dtype=torch.long),
+    )  # fmt: skip
+    if gate == "success":
+        item_traj = torch.tensor([b for b, _ in sorted(flat.item_of, key=flat.item_of.__getitem__)], dtype=torch.long)
+        memory = gate_success(memory, torch.tensor(flat.rewards)[item_traj])
+    return memory
 
 
 def _sequences(
@@ -349,7 +367,8 @@ def _stats(
         "adv_abs_max": float(adv.abs().max()),
         "adv_max": float(adv.max()),
         "adv_min": float(adv.min()),
-        "mem_reward_std": float(np.std(flat.mem_rewards)) if flat.mem_rewards else 0.0,
+        "mem_reward_std": mean([float(np.std(np.asarray(flat.mem_rewards)[np.asarray(flat.mem_pool) == pool]))
+                                for pool in set(flat.mem_pool)]),  # within each group, averaged
         "response_length_mean": mean([len(r.response_ids) for t in trajectories for r in t.rounds]),
         "response_length_max": float(max(len(r.response_ids) for t in trajectories for r in t.rounds)),
         "mem_token_frac": float(batch.in_memory.float().mean()),

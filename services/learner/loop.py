@@ -101,23 +101,10 @@ class LearnerLoop:
             settings.world_seed,
             settings.task_seed,
         )
-        spec = TaskSpec(n=settings.group_size, mode=settings.mode, max_rounds=settings.max_rounds)
+        scored = settings.trainer.mem_baseline != "full"  # P_task asked of the scorer
+        spec = TaskSpec(settings.group_size, settings.mode, settings.max_rounds, score_task=scored)
         admission = Admission(queue, state, source, spec, settings.capacity, run_id)
-        publisher = WeightPublisher(
-            queue,
-            settings.weights_root,
-            timeout_s=settings.publish_timeout_s,
-            keep_versions=settings.keep_versions,
-            role_tokens=settings.role_tokens(),
-            protected=settings.model_path,  # the base model may live in the weights root (v0)
-            broadcast=settings.weight_sync == "broadcast" and not _sharded(trainer),
-            broadcast_options={
-                "master_address": settings.weight_sync_address,
-                "port": settings.weight_sync_port,
-                "backend": settings.weight_sync_backend,
-                "bucket_bytes": int(settings.weight_sync_bucket_mb * 1024 * 1024),
-            },
-        )
+        publisher = _publisher(settings, queue, trainer)
         loop = cls(settings, queue, trainer, consumer, admission, publisher, metrics)
         if resumed:
             log.info("resumed at step %d, version %d", resumed.step, resumed.version)
@@ -315,6 +302,25 @@ async def learner_status(
         if last is None
         else {k: v for k, v in last.items() if isinstance(v, (int, float)) or v is None},
         error=error,
+    )
+
+
+def _publisher(settings: LearnerSettings, queue: RedisQueue, trainer: Trainer) -> WeightPublisher:
+    """Publishes each version to the engines: from disk, or by broadcast when asked."""
+    return WeightPublisher(
+        queue,
+        settings.weights_root,
+        timeout_s=settings.publish_timeout_s,
+        keep_versions=settings.keep_versions,
+        role_tokens=settings.role_tokens(),
+        protected=settings.model_path,  # the base model may live in the weights root (v0)
+        broadcast=settings.weight_sync == "broadcast" and not _sharded(trainer),
+        broadcast_options={
+            "master_address": settings.weight_sync_address,
+            "port": settings.weight_sync_port,
+            "backend": settings.weight_sync_backend,
+            "bucket_bytes": int(settings.weight_sync_bucket_mb * 1024 * 1024),
+        },
     )
 
 

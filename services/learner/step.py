@@ -111,6 +111,9 @@ def make_batch(groups: list[Group], cfg: TrainerConfig, vocab_size: int) -> Trai
         cfg.norm_by_std,
         cfg.mem_min_std,
         neg_adv_scale=cfg.neg_adv_scale,
+        mem_baseline=cfg.mem_baseline,
+        mem_gate=cfg.mem_gate,
+        mem_norm=cfg.mem_norm,
     )
 
 

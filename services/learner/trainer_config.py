@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mempo.advantages import MEM_MIN_STD
+from mempo.advantages import MEM_MIN_STD, MemBaseline, MemGate, MemNorm
 from mempo.losses import AggMode, KLKind
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -106,6 +106,24 @@ class TrainerConfig(BaseModel):
     advantage (0: only a zero-variance pool gets none). Keeps the noise of a policy that
     rarely knows the answer from becoming unit-scale advantages; see
     mempo.advantages.MEM_MIN_STD and docs/results.md."""
+
+    mem_baseline: MemBaseline = "full"
+    """What a memory is measured against, R_M = P_mem - baseline. full: P_full, the full
+    history it replaces (MemPO). none: P_task, the task alone with an empty memory
+    (InfoMem, arXiv 2606.03329). prev: the previous round's P_mem (HiMPO, arXiv
+    2606.16285; round 0 against P_task). none and prev have the scorer compute P_task
+    (one more context per task)."""
+
+    mem_gate: MemGate = "all"
+    """all: every trajectory's memories get A_M. success: A_M times 1[R_T > 0] after
+    normalisation, so only memories of trajectories that succeeded earn credit (InfoMem)."""
+
+    mem_norm: MemNorm = "pool"
+    """How R_M becomes A_M. pool: z-score over every (trajectory, round) of a group
+    (MemPO). round: z-score per round index within the group. centred: R_M minus its
+    pool's mean, not divided by the spread (Dr.GRPO's choice applied to the memory term:
+    memories that barely differ get little credit instead of unit spread). mem_min_std
+    silences a pool (or round) whose std is below it in every case."""
 
     neg_adv_scale: float = Field(default=1.0, gt=0, le=1)
     """Multiplies every negative per-token advantage (after A_T + alpha * A_M); positive

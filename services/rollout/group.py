@@ -76,7 +76,8 @@ class GroupRunner:
                 [
                     MemoryTrajectory(questions=task.questions, answers=task.answers, rounds=rounds)
                     for _, rounds in payload
-                ]
+                ],
+                task_score=task.score_task,
             )
         except Exception as exc:  # ScorerError, 5xx after the retries, transport errors
             raise ScoringFailed(f"the scorer failed: {type(exc).__name__}: {exc}") from exc
@@ -88,7 +89,11 @@ class GroupRunner:
             i: memory_probabilities(results[i], scores.results[j], len(rounds))
             for j, (i, rounds) in enumerate(payload)
         }
-        trajectories = [r.trajectory(*probabilities.get(i, ([], []))) for i, r in enumerate(results)]
+        p_task = next((s.p_task for s in scores.results if s.p_task is not None), None)  # one per task
+        trajectories = [
+            r.trajectory(*probabilities.get(i, ([], []))).model_copy(update={"p_task": p_task})
+            for i, r in enumerate(results)
+        ]
         return trajectories, scores.weight_version
 
 

@@ -134,6 +134,8 @@ class MemoryPlan:
     candidates: list[str]
     full: list[list[Target]]  # (R, C)
     mem: list[list[Target] | None]  # (R, C), None for a round without memory
+    task: list[Target] | None = None  # (C,) P_task: the memory context with an empty memory
+    task_of: int | None = None  # the plan.memory entry that scores this trajectory's P_task
 
 
 @dataclass
@@ -171,8 +173,10 @@ def plan_memory(
     trajectory: MemoryTrajectory,
     policy: AliasPolicy,
     limit: int | None = None,
+    task: bool = False,
 ) -> None:
     """Add one trajectory's row: trunk = task prompt + transcripts of rounds 1..R-1.
+    ``task``: also P_task's branch (an empty memory + cue, after the task prompt).
 
     Round t's P_full branch (answer cue, then each candidate) attaches after round
     t-1's transcript; its P_mem branch (memory piece + cue, then each candidate)
@@ -189,7 +193,7 @@ def plan_memory(
     rounds = trajectory.rounds
     # every round's P_full branch and every memory's P_mem branch holds at least the cue
     # and the answers: a lower bound of the row, before any transcript is tokenised
-    branches = len(rounds) + sum(r.memory is not None for r in rounds)
+    branches = len(rounds) + sum(r.memory is not None for r in rounds) + int(task)
     _guard(len(prompt) + branches * (len(cue) + answer_tokens), limit)
     trunk = list(prompt)
     boundaries = [len(trunk)]  # trunk length seen by round t's P_full branch (t = 1..R)
@@ -213,6 +217,10 @@ def plan_memory(
         _guard(tokens, limit)
         mem_seg = row.add([*piece, *cue], len(prompt))
         entry.mem.append(_add_answers(index, row, mem_seg, answer_ids))
+    if task:  # P_task: exactly a memory branch whose memory is empty
+        piece = tok.encode(fmt.memory_piece(""), add_special_tokens=False)
+        _guard(tokens + len(piece) + len(cue) + answer_tokens, limit)
+        entry.task = _add_answers(index, row, row.add([*piece, *cue], len(prompt)), answer_ids)
     plan.rows.append(row)
     plan.memory.append(entry)
 
@@ -287,6 +295,9 @@ def memory_results(plan: Plan, logprobs: LogProbTable) -> list[TrajectoryScores]
                 )
             )
         results.append(TrajectoryScores(rounds=rounds, candidates=entry.candidates))
+    for entry, result in zip(plan.memory, results, strict=True):
+        if entry.task_of is not None:  # scored once per distinct task of the request
+            result.p_task = _best(plan.memory[entry.task_of].task or [], logprobs)[0]
     return results
 
 

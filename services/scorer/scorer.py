@@ -13,6 +13,7 @@ weight update never changes the weights under a batch that has started.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -179,11 +180,16 @@ class ScorerService:
     def plan_memory_request(self, request: MemoryScoresRequest) -> Plan:
         tok, policy = self.holder.current.tokenizer, self._policy(request.alias_policy)
         limit, plan, total = self._sequence_limit(), Plan(), 0
+        tasks: dict[str, int] = {}  # a task's questions and answers -> the entry scoring its P_task
         for i, trajectory in enumerate(request.trajectories):
+            key = json.dumps([trajectory.questions, trajectory.answers])
+            first = request.task_score and key not in tasks
             try:
-                plan_memory(plan, tok, trajectory, policy, limit)
+                plan_memory(plan, tok, trajectory, policy, limit, task=first)
             except RowTooLong as error:
                 raise self._too_long("trajectories", i, error) from None
+            if request.task_score:
+                plan.memory[-1].task_of = tasks.setdefault(key, len(plan.memory) - 1)
             total = self._count(plan, total, "trajectories", i)
         return plan
 

@@ -189,3 +189,15 @@ def test_file_tasks_compose_k_questions(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="fewer than k=10"):
         FileTasks(path, [10])
+
+
+async def test_tasks_ask_for_p_task_when_the_spec_does(redis_client: object, keys: Keys, world: World) -> None:
+    """The learner's TaskSpec.score_task (trainer mem_baseline none or prev) reaches the task."""
+    for asked in (False, True):
+        queue = RedisQueue(redis_client, Keys(f"{keys.prefix}{asked}:"), consumer="learner-0")  # type: ignore[arg-type]
+        spec = TaskSpec(n=2, max_rounds=3, score_task=asked)
+        admission = Admission(queue, LearnerState(queue), WorldTasks(world, [1]), spec, capacity=1, run_id="run")
+        await queue.ensure_groups()
+        assert await admission.admit() == 1
+        delivery = await queue.claim_task(block_ms=None)
+        assert delivery is not None and delivery.record.score_task is asked

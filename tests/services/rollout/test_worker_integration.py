@@ -65,7 +65,11 @@ async def test_the_oracle_through_the_real_retrieval_and_scorer(
         worker = RolloutWorker(worker_settings(scorer_url="http://scorer"), clients, None, tokenizer=tokenizer)
         await worker.boot()
         group = await worker.run_task(task)
+        with_task = await worker.run_task(task.model_copy(update={"score_task": True}))
     assert group.scorer_version == "0"
+    assert {t.p_task for t in group.trajectories} == {None}  # not asked: not scored
+    (p_task,) = {t.p_task for t in with_task.trajectories}  # asked: one per task
+    assert p_task is not None and 0.0 < p_task < 1.0
     for traj in group.trajectories:
         assert traj.correct and traj.reward == 1.0
         assert len(traj.p_mem) == len(traj.p_full) == len(traj.rounds)

@@ -10,6 +10,7 @@ import pytest
 
 from mempo.api.scorer import MemoryScoresResponse, ScoreResponse
 from mempo_sim.world import World
+from services.scorer.model import LoadedModel
 
 from .conftest import AppClient, random_trajectory
 
@@ -192,3 +193,36 @@ async def test_health_ready_and_naive_method(app_client: AppClient) -> None:
         naive = (await client.post("/v1/memory-scores", json=TRAJECTORY)).json()
     for s, n in zip(shared["results"][0]["rounds"], naive["results"][0]["rounds"], strict=True):
         assert s["p_full"] == pytest.approx(n["p_full"], rel=1e-4)
+
+
+async def test_p_task_is_the_empty_memory_score_once_per_task(app_client: AppClient) -> None:
+    """task_score: P_task = P(gold | task + an empty memory), exactly what P_mem is for a
+    round whose memory is ""; one context per distinct task; null without task_score."""
+    empty = {**TRAJECTORY, "rounds": [{"memory": "", "transcript": "<mem></mem>\n<search>Bothi</search>"}]}
+    other = {**TRAJECTORY, "questions": ["Where was Edvan born?"], "answers": [["Vanzor"]]}
+    async with app_client() as client:
+        plain = (await client.post("/v1/memory-scores", json=TRAJECTORY)).json()["results"][0]
+        body = {"trajectories": [TRAJECTORY, empty, other], "task_score": True}
+        reply = await client.post("/v1/memory-scores", json=body)
+    assert reply.status_code == 200, reply.text
+    scored, same_task, other_task = reply.json()["results"]
+    assert plain["p_task"] is None
+    assert 0 < scored["p_task"] < 1 and same_task["p_task"] == scored["p_task"]
+    assert scored["p_task"] == pytest.approx(same_task["rounds"][0]["p_mem"], rel=1e-4)
+    assert other_task["p_task"] != scored["p_task"]
+    for with_task, alone in zip(scored["rounds"], plain["rounds"], strict=True):
+        assert with_task["p_full"] == pytest.approx(alone["p_full"], rel=1e-4)  # nothing else moves
+
+
+def test_one_p_task_context_per_distinct_task(loaded: LoadedModel) -> None:
+    from mempo.api.scorer import MemoryScoresRequest
+    from mempo.metrics import Metrics
+    from services.scorer.scorer import ScorerService
+    from services.scorer.settings import ScorerSettings
+
+    other = {**TRAJECTORY, "questions": ["Where was Edvan born?"], "answers": [["Vanzor"]]}
+    body = {"trajectories": [TRAJECTORY, other, TRAJECTORY, other, TRAJECTORY], "task_score": True}
+    scorer = ScorerService(ScorerSettings(), loaded, Metrics("scorer"))
+    plan = scorer.plan_memory_request(MemoryScoresRequest.model_validate(body))
+    assert [entry.task is not None for entry in plan.memory] == [True, True, False, False, False]
+    assert [entry.task_of for entry in plan.memory] == [0, 1, 0, 1, 0]
