@@ -11,6 +11,7 @@ A group of 16 trajectories with T in {2, 4, 8} rounds from the synthetic world's
              i.e. the learner's old-log-prob pass
 
 Prints one JSON line per T. Goals at T=8: shared_over_forward <= 1.2, speedup_vs_naive >= 5.
+p_task_cost: the shared path with P_task (task_score) over without it, same run.
 Times are best-of-N, interleaved. Run:
     python benchmarks/scorer_prefix_sharing.py [--repeats 5] [--model PATH]
     python benchmarks/scorer_prefix_sharing.py --smoke   # seconds-scale sizes: checks it runs
@@ -93,13 +94,21 @@ def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return best
 
 
+def plans(tok: object, group: list[MemoryTrajectory]) -> tuple[Plan, Plan]:
+    """The group's plan as the scorer builds it, without and with P_task (task_score: one
+    more branch in the first row: a worker asks for one task's trajectories at a time)."""
+    plain, with_task = Plan(), Plan()
+    for i, trajectory in enumerate(group):
+        plan_memory(plain, tok, trajectory, "best")  # type: ignore[arg-type]
+        plan_memory(with_task, tok, trajectory, "best", task=i == 0)  # type: ignore[arg-type]
+    return plain, with_task
+
+
 def run(model_path: Path, rounds: int, repeats: int, size: int = GROUP) -> dict[str, float | int | str]:
     loaded = load_model(model_path, "bench", device="auto")
     tok, model = loaded.tokenizer, loaded.model
     group = trajectories(rounds, size)
-    plan = Plan()
-    for trajectory in group:
-        plan_memory(plan, tok, trajectory, "best")
+    plan, with_task = plans(tok, group)
     full = [
         fmt.full_scoring_ids(tok, t.questions, [r.transcript for r in t.rounds])[:-1] for t in group
     ]  # prompt + every round's transcript (the cue dropped)
@@ -119,6 +128,7 @@ def run(model_path: Path, rounds: int, repeats: int, size: int = GROUP) -> dict[
         {
             "naive": lambda: score_rows(model, plan.rows, budget, "naive"),
             "shared": lambda: score_rows(model, plan.rows, budget, "shared", loaded.pad_id),
+            "with_task": lambda: score_rows(model, with_task.rows, budget, "shared", loaded.pad_id),
             "forward": forward,
         },
         repeats,
@@ -131,6 +141,7 @@ def run(model_path: Path, rounds: int, repeats: int, size: int = GROUP) -> dict[
         "forward_s": round(forward_s, 4),
         "shared_over_forward": round(shared_s / forward_s, 3),
         "speedup_vs_naive": round(naive_s / shared_s, 2),
+        "p_task_cost": round(seconds["with_task"] / shared_s, 3),  # task_score on: P_task too
         "transcript_tokens": sum(len(ids) for ids in full),
         "scored_contexts": sum(len(r.scored_segments()) for r in plan.rows),
         "device": str(loaded.device),
