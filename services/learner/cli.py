@@ -103,12 +103,13 @@ class SftCommand(BaseModel):
     device: str = "cpu"
     """Torch device."""
 
-    track: Annotated[list[str], BeforeValidator(_split)] = ["jsonl"]
-    """Where the loss goes: jsonl (run_dir/metrics.jsonl, always) and any of tensorboard,
+    track: Annotated[list[str], BeforeValidator(_split)] = []
+    """Log the loss every logged step: jsonl (run_dir/metrics.jsonl) and any of tensorboard,
     wandb, mlflow, comma separated."""
 
     run_dir: Path | None = None
-    """Folder of the run's metrics.jsonl and trackers' files (default: <out>-run beside it)."""
+    """Folder of the run's metrics.jsonl and trackers' files (given, or with --track:
+    default <out>-run beside the checkpoint; neither: no tracking, the log only)."""
 
     @field_validator("k")
     @classmethod
@@ -122,7 +123,7 @@ class SftCommand(BaseModel):
     def _check_track(cls, track: list[str]) -> list[str]:
         from mempo.tracking import check_backends
 
-        return check_backends(track)
+        return check_backends(track) if track else []
 
     @field_validator("data")
     @classmethod
@@ -177,12 +178,15 @@ def sft(ctx: typer.Context) -> None:
             )
     except ValueError as exc:
         fail(str(exc))
-    run_dir = cmd.run_dir or cmd.out.with_name(f"{cmd.out.name}-run")
-    tracker = Tracker(run_dir, cmd.track, f"sft-{cmd.out.name}", given, journal=True, resume=False)
+    tracker = None
+    if cmd.track or cmd.run_dir:
+        run_dir = cmd.run_dir or cmd.out.with_name(f"{cmd.out.name}-run")
+        tracker = Tracker(run_dir, cmd.track, f"sft-{cmd.out.name}", given, journal=True, resume=False)
     try:
         report = train_sft(model_path, sequences, cmd.out, config, cmd.device, tracker)
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
     typer.echo(json.dumps({
         "out": str(report.out_dir), "steps": report.steps, "sequences": report.sequences,
         "first_loss": report.first_loss, "last_loss": report.last_loss, "tokens_per_s": report.tokens_per_s,
