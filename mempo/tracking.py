@@ -79,6 +79,11 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def backend_names(value: Any) -> Any:
+    """"tensorboard, wandb" -> ["tensorboard", "wandb"] (a list passes unchanged)."""
+    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+
 def check_backends(names: Sequence[str]) -> list[str]:
     """``names`` checked before a run starts: each a known backend, its package installed;
     raises ValueError naming the problem (and the extra that installs it)."""

@@ -247,10 +247,10 @@ def evaluate_cmd(
         fail(f"--every-question evaluates 1-question tasks: give --ks 1 (got {ks!r})")
     if engine_url is not None and not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url must be an http:// or https:// URL (got {engine_url!r})")
-    from mempo.tracking import check_backends
+    from mempo.tracking import backend_names, check_backends
 
     try:
-        trackers = check_backends([t.strip() for t in track.split(",") if t.strip()])
+        trackers = check_backends(backend_names(track))
     except ValueError as exc:
         fail(f"--track: {exc}")
     quiet_hub()

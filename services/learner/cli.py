@@ -58,14 +58,16 @@ def follower_rank() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
 
 
+def _backend_names(value: Any) -> Any:
+    from mempo.tracking import backend_names
+
+    return backend_names(value)
+
+
 def _parse_ks(value: Any) -> Any:
     from services.learner.settings import parse_ks
 
     return parse_ks(value) if isinstance(value, (str, int)) else value
-
-
-def _split(value: Any) -> Any:
-    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
 
 class SftCommand(BaseModel):
@@ -103,7 +105,7 @@ class SftCommand(BaseModel):
     device: str = "cpu"
     """Torch device."""
 
-    track: Annotated[list[str], BeforeValidator(_split)] = []
+    track: Annotated[list[str], BeforeValidator(_backend_names)] = []
     """Log the loss every logged step: jsonl (run_dir/metrics.jsonl) and any of tensorboard,
     wandb, mlflow, comma separated."""
 

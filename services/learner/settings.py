@@ -174,7 +174,9 @@ class LearnerSettings(RedisSettings):
     @field_validator("tracking", mode="before")
     @classmethod
     def _parse_tracking(cls, value: Any) -> Any:
-        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+        from mempo.tracking import backend_names
+
+        return backend_names(value)
 
     @field_validator("tracking")
     @classmethod
