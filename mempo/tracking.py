@@ -87,16 +87,28 @@ def backend_names(value: Any) -> Any:
 def check_backends(names: Sequence[str]) -> list[str]:
     """``names`` checked before a run starts: each a known backend, its package installed;
     raises ValueError naming the problem (and the extra that installs it)."""
-    import importlib.util
-
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown tracker {unknown[0]!r} (choose from {', '.join(BACKENDS)})")
     for name in names:
-        module = PACKAGES.get(name)
-        if module and importlib.util.find_spec(module) is None:
-            raise ValueError(f"tracker {name!r} needs the {module} package: pip install '{EXTRA}'")
+        if name != "jsonl" and not _installed(name):
+            raise ValueError(f"tracker {name!r} needs the {PACKAGES[name]} package: pip install '{EXTRA}'")
     return ["jsonl", *(n for n in dict.fromkeys(names) if n != "jsonl")]
+
+
+def _installed(backend: str) -> bool:
+    """Whether ``backend``'s package imports (each import spelled out: the import graph
+    sees them)."""
+    try:
+        if backend == "tensorboard":
+            import tensorboard  # noqa: F401
+        elif backend == "wandb":
+            import wandb  # noqa: F401
+        else:
+            import mlflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Tracker:
