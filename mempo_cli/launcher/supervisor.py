@@ -162,12 +162,22 @@ class Supervisor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop_all()
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        # A second Ctrl-C or SIGTERM while stopping must not cut stop_all short (it would
+        # leave the remaining children running, orphaned): ignored until every child is down.
+        self._previous_handlers.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+        for stopping in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(stopping, self._while_stopping)
+        try:
+            self.stop_all()
+        finally:
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
+
+    def _while_stopping(self, signum: int, frame: FrameType | None) -> None:
+        log.warning("signal %d while stopping the services: stopping them still", signum)
 
 
 def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
