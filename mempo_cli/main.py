@@ -182,30 +182,21 @@ def plot_cmd(
 
 @runs_app.command("compare")
 def runs_compare(
-    runs: Annotated[list[Path], typer.Argument(help="run folders holding metrics.jsonl (runs/a runs/b ...)")],
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="run folders holding metrics.jsonl (runs/a runs/b ...)")],
     out: Annotated[Path, typer.Option(help="the PNG (its table beside it as .json)")] = Path("compare.png"),
     labels: Annotated[str | None, typer.Option(help="a name per run, comma separated (default: folder names)")] = None,
 ) -> None:
     """Runs side by side: their curves on one PNG, a table of their final figures."""
-    from rich.console import Console
-    from rich.table import Table
+    from mempo_cli.launcher.compare import compare_runs, print_table
 
-    from mempo_cli.launcher.compare import compare_runs
-
-    names = [name.strip() for name in labels.split(",")] if labels else None
+    names = [name.strip() for name in labels.split(",")] if labels is not None else None
     if names is not None and len(names) != len(runs):
         fail(f"--labels has {len(names)} names for {len(runs)} runs")
     try:
         figures = compare_runs(runs, out, names)
     except ValueError as exc:
         fail(str(exc))
-    table = Table(title=f"{len(figures)} runs: final figures")
-    for column in ["", *figures]:
-        table.add_column(column, justify="right")
-    for name in next(iter(figures.values())):
-        values = [row[name] for row in figures.values()]
-        table.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
-    Console().print(table)
+    print_table(figures)
     typer.echo(f"wrote {out} and {out.with_suffix('.json')}")
 
 
