@@ -11,7 +11,9 @@ A group of 16 trajectories with T in {2, 4, 8} rounds from the synthetic world's
              i.e. the learner's old-log-prob pass
 
 Prints one JSON line per T. Goals at T=8: shared_over_forward <= 1.2, speedup_vs_naive >= 5.
-p_task_cost: the shared path with P_task (task_score) over without it, same run.
+p_task_cost: the shared path with P_task (task_score) over without it, same run;
+p_task_tokens: the tokens it runs with P_task over without (exact; the times are noisy
+on a loaded machine, where p_task_cost came out below 1).
 Times are best-of-N, interleaved. Run:
     python benchmarks/scorer_prefix_sharing.py [--repeats 5] [--model PATH]
     python benchmarks/scorer_prefix_sharing.py --smoke   # seconds-scale sizes: checks it runs
@@ -77,13 +79,15 @@ def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     """Best-of-``repeats`` seconds of each function, run round-robin after a warm-up.
 
     The minimum and the interleaving keep other load on a shared machine from landing
-    on one contender only.
+    on one contender only; every other repetition runs them in reverse, so no contender
+    always runs right after the same one.
     """
     best = {name: float("inf") for name in fns}
     for fn in fns.values():
         fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for rep in range(repeats):
+        for name in list(fns) if rep % 2 == 0 else list(fns)[::-1]:
+            fn = fns[name]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -142,6 +146,7 @@ def run(model_path: Path, rounds: int, repeats: int, size: int = GROUP) -> dict[
         "shared_over_forward": round(shared_s / forward_s, 3),
         "speedup_vs_naive": round(naive_s / shared_s, 2),
         "p_task_cost": round(seconds["with_task"] / shared_s, 3),  # task_score on: P_task too
+        "p_task_tokens": round(with_task.num_tokens / plan.num_tokens, 4),  # the same, in tokens
         "transcript_tokens": sum(len(ids) for ids in full),
         "scored_contexts": sum(len(r.scored_segments()) for r in plan.rows),
         "device": str(loaded.device),

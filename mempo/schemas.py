@@ -13,7 +13,14 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from mempo.arrays import LogProbs, TokenIds
 
@@ -64,6 +71,15 @@ class Task(Record):
         "the learner asks when its trainer's mem_baseline is none or prev",
     )
     created_at: float = Field(default_factory=time.time)
+
+    @model_serializer(mode="wrap")  # unannotated: a return type would hide the JSON schema's fields
+    def _dump(self, handler: SerializerFunctionWrapHandler):
+        """score_task is written only when true: a worker older than it (records refuse
+        unknown fields) still reads the tasks of a learner that does not ask for P_task."""
+        data = handler(self)
+        if not self.score_task and isinstance(data, dict):
+            data.pop("score_task", None)
+        return data
 
     @model_validator(mode="after")
     def _check_answers(self) -> Task:
@@ -129,7 +145,10 @@ class Trajectory(Record):
     p_mem: list[float] = Field(default_factory=list)
     p_full: list[float] = Field(default_factory=list)
     p_task: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="P(gold | task, an empty memory): the same for a task's trajectories"
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="P(gold | task, an empty memory): the same for a task's trajectories",
     )
     num_tokens: int = Field(
         default=0, ge=0, description="prompt + response tokens the engine processed"

@@ -53,12 +53,13 @@ class ScorerClient(ServiceClient):
         alias_policy: AliasPolicy = "best",
         task_score: bool = False,
     ) -> MemoryScoresResponse:
+        """P_mem / P_full per round; with ``task_score`` also each trajectory's P_task."""
         req = MemoryScoresRequest(
             trajectories=list(trajectories), alias_policy=alias_policy, task_score=task_score
         )
-        return MemoryScoresResponse.model_validate_json(
-            await self._post("/v1/memory-scores", req.model_dump_json())
-        )
+        # task_score goes out only when true: a scorer older than it refuses unknown fields
+        body = req.model_dump_json(exclude=None if task_score else {"task_score"})
+        return MemoryScoresResponse.model_validate_json(await self._post("/v1/memory-scores", body))
 
     async def score(
         self, items: Sequence[ScoreItem], alias_policy: AliasPolicy = "best"

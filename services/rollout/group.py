@@ -65,7 +65,9 @@ class GroupRunner:
     async def _score(
         self, task: Task, results: list[EpisodeResult]
     ) -> tuple[list[Trajectory], str | None]:
-        """P_mem / P_full per round with a memory, from one scorer call for the whole task."""
+        """P_mem / P_full per round with a memory, from one scorer call for the whole task;
+        P_task too when the task asks (every trajectory gets it, also one with nothing to
+        score; when no trajectory has anything to score nothing is sent and it stays None)."""
         assert self.scorer is not None
         payload = [(i, scoring_rounds(r)) for i, r in enumerate(results)]
         payload = [(i, rounds) for i, rounds in payload if rounds]  # context-only: nothing to score
@@ -89,12 +91,25 @@ class GroupRunner:
             i: memory_probabilities(results[i], scores.results[j], len(rounds))
             for j, (i, rounds) in enumerate(payload)
         }
-        p_task = next((s.p_task for s in scores.results if s.p_task is not None), None)  # one per task
+        p_task = task_probability(task, scores.results)
         trajectories = [
             r.trajectory(*probabilities.get(i, ([], []))).model_copy(update={"p_task": p_task})
             for i, r in enumerate(results)
         ]
         return trajectories, scores.weight_version
+
+
+def task_probability(task: Task, results: Sequence[TrajectoryScores]) -> float | None:
+    """The task's P_task from the scorer's answer (one per task: the first); None unless asked."""
+    if not task.score_task:
+        return None
+    p_task = next((s.p_task for s in results if s.p_task is not None), None)
+    if p_task is None:
+        raise ScoringFailed("no p_task in the scorer's answer, though the task asks for it")
+    p_task = _probability(p_task)
+    if not 0.0 <= p_task <= 1.0:  # NaN (the trajectories take it without validation)
+        raise ScoringFailed(f"the scorer's p_task is {p_task}")
+    return p_task
 
 
 def scoring_rounds(result: EpisodeResult) -> list[MemoryRound]:

@@ -21,7 +21,7 @@ BENCHMARKS = {
     "learner_vs_trl": (1, ("ours_tok_s", "trl_tok_s", "ratio")),
     "queue_throughput": (1, ("payload_mb_s", "raw_mb_s", "ratio")),
     "retrieval_qps": (1, ("bm25_qps", "http_qps", "baseline_qps", "http_concurrent_qps", "library_ratio")),
-    "scorer_prefix_sharing": (1, ("rounds", "naive_s", "shared_s", "forward_s")),  # one per T
+    "scorer_prefix_sharing": (1, ("rounds", "naive_s", "shared_s", "forward_s", "p_task_cost", "p_task_tokens")),  # one per T
     "token_efficiency": (2, ("questions", "memory_tokens", "full_tokens", "ratio")),  # one per k
     "weight_publish": (1, ("publish_s", "copy_s", "ratio", "engine_s", "scorer_s", "broadcast_ratio", "load_ratio")),
     "weights_io": (1, ("write_ratio", "load_ratio", "load_library_s", "load_library_mapped_s")),

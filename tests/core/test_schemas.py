@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -136,3 +137,29 @@ def test_json_schema_describes_arrays() -> None:
     schema = Round.model_json_schema()
     assert schema["properties"]["prompt_ids"]["type"] == "array"
     assert schema["properties"]["prompt_ids"]["items"]["type"] == "integer"
+
+
+def test_p_task_and_score_task_keep_old_records_valid() -> None:
+    """Records from before score_task / p_task validate (false / null); p_task lies in
+    [0, 1] like p_mem; a Task is written without score_task while it is false, so a worker
+    older than the field reads it."""
+    group = make_group(n=1)
+    old = json.loads(group.model_dump_json())
+    old["schema_version"] = old["task"]["schema_version"] = 1
+    for traj in old["trajectories"]:
+        traj.pop("p_task", None)
+    back = Group.model_validate(old)
+    assert back.task.score_task is False and back.trajectories[0].p_task is None
+    assert "score_task" not in group.task.model_dump_json() and "score_task" not in str(group.model_dump())
+    asked = group.task.model_copy(update={"score_task": True})
+    assert json.loads(asked.model_dump_json())["score_task"] is True
+    assert Task.model_validate_json(asked.model_dump_json()) == asked
+    assert "score_task" in Task.model_json_schema(mode="serialization")["properties"]
+    r0 = make_round(0)
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValidationError, match="p_task"):
+            Trajectory(rounds=[r0], p_task=bad)
+    with_task = group.model_copy(
+        update={"trajectories": [t.model_copy(update={"p_task": 0.25}) for t in group.trajectories]}
+    )
+    assert Group.model_validate_json(with_task.model_dump_json(context={"pack": True})) == with_task

@@ -144,10 +144,12 @@ def retrieval_app(search: LocalSearch) -> FastAPI:
 
 
 class ScriptedScorer:
-    """P_mem = 0.9 when the memory holds a found value ('>' or a digit), else 0.2; P_full 0.5."""
+    """P_mem = 0.9 when the memory holds a found value ('>' or a digit), else 0.2; P_full 0.5;
+    ``p_task`` for every trajectory of a request with task_score (None: answers none)."""
 
-    def __init__(self, fail_status: int | None = None) -> None:
+    def __init__(self, fail_status: int | None = None, p_task: float | None = 0.1) -> None:
         self.fail_status = fail_status
+        self.p_task = p_task
         self.requests: list[MemoryScoresRequest] = []
         self.app = FastAPI()
 
@@ -171,6 +173,7 @@ class ScriptedScorer:
                             for i, r in enumerate(t.rounds)
                         ],
                         candidates=["x"],
+                        p_task=self.p_task if body.task_score else None,
                     )
                     for t in body.trajectories
                 ],

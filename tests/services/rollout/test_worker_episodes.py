@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
 import pytest
 
+from mempo.api.scorer import TrajectoryScores
 from mempo.bm25 import LocalSearch
 from mempo.clients.engine import Generation
-from mempo.schemas import Group, Task
+from mempo.schemas import Group, Round, Task
 from mempo_sim.world import World
-from services.rollout.episode import EpisodeConfig, EpisodeRunner
+from services.rollout.episode import CONTEXT, EpisodeConfig, EpisodeResult, EpisodeRunner
+from services.rollout.group import GroupRunner, ScoringFailed, task_probability
 from services.rollout.scripted import fake_logprob
 from tests.services.rollout.scripted import (
     ScriptedEngine,
@@ -235,3 +238,64 @@ async def test_text_past_the_matched_stop_string_is_not_a_format_error(tokenizer
     assert round_.action == "search" and round_.query == "Mirath"
     assert round_.response_ids == tokenizer.encode(text, add_special_tokens=False)  # ids untouched
     assert result.texts == [tokenizer.decode(round_.response_ids, skip_special_tokens=True)]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+async def test_p_task_reaches_every_trajectory_when_the_task_asks(
+    asked: bool, tokenizer: Any, world: World, local_search: LocalSearch
+) -> None:
+    engine = ScriptedEngine.oracle(tokenizer, world, "memory")
+    scorer = ScriptedScorer(p_task=0.125)
+    ((questions, answers),) = world.tasks("test", 1, 1, seed=8)
+    task = Task(questions=questions, answers=answers, n=2, max_rounds=8, score_task=asked)
+    async with booted_worker(engine, local_search, tokenizer, scorer) as worker:
+        group = await worker.run_task(task)
+    (request,) = scorer.requests
+    assert request.task_score is asked
+    assert [t.p_task for t in group.trajectories] == [0.125 if asked else None] * 2
+    assert Group.model_validate_json(group.model_dump_json(context={"pack": True})) == group
+
+
+async def test_a_task_that_asks_fails_without_the_scorers_p_task(
+    tokenizer: Any, world: World, local_search: LocalSearch
+) -> None:
+    engine = ScriptedEngine.oracle(tokenizer, world, "memory")
+    ((questions, answers),) = world.tasks("test", 1, 1, seed=8)
+    task = Task(questions=questions, answers=answers, n=1, max_rounds=8, score_task=True)
+    async with booted_worker(engine, local_search, tokenizer, ScriptedScorer(p_task=None)) as worker:
+        with pytest.raises(ScoringFailed, match="no p_task"):
+            await worker.run_task(task)
+
+
+def test_p_task_is_read_like_p_mem() -> None:
+    asked = Task(questions=["q"], answers=[["a"]], score_task=True)
+    scores = [TrajectoryScores(rounds=[], candidates=["a"], p_task=p) for p in (None, 1.0 + 1e-9)]
+    assert task_probability(asked, scores) == 1.0  # the first given, clamped into [0, 1]
+    assert task_probability(asked.model_copy(update={"score_task": False}), scores) is None
+    with pytest.raises(ScoringFailed, match="p_task is nan"):
+        task_probability(asked, [TrajectoryScores(rounds=[], candidates=["a"], p_task=float("nan"))])
+
+
+async def test_a_trajectory_with_nothing_to_score_gets_the_tasks_p_task() -> None:
+    """One episode ended on its context before generating: it is not sent, yet takes P_task."""
+    scored = EpisodeResult(
+        rounds=[Round(index=0, prompt_ids=[1, 2], response_ids=[5, 6], response_logprobs=[-1.0, -1.0],
+                      mem_span=(0, 1), action="answer")],
+        texts=["<mem>x</mem><answer>a</answer>"], memories=["x"],
+    )  # fmt: skip
+    context_only = EpisodeResult(
+        rounds=[Round(index=0, prompt_ids=[1], response_ids=[], response_logprobs=[], action="invalid",
+                      finish_reason=CONTEXT)],
+        texts=[""], memories=[None],
+    )  # fmt: skip
+    scorer = ScriptedScorer(p_task=0.25)
+    runner = GroupRunner(None, scorer.client(), asyncio.Semaphore(1), "w")  # type: ignore[arg-type]
+    task = Task(questions=["q"], answers=[["a"]], n=2, score_task=True)
+    try:
+        trajectories, _ = await runner._score(task, [scored, context_only])
+    finally:
+        await runner.scorer.http.aclose()  # type: ignore[union-attr]
+    (request,) = scorer.requests
+    assert len(request.trajectories) == 1 and request.task_score
+    assert [t.p_task for t in trajectories] == [0.25, 0.25]
+    assert [len(t.p_mem) for t in trajectories] == [1, 0]

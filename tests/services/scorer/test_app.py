@@ -6,6 +6,7 @@ import asyncio
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mempo.api.scorer import MemoryScoresResponse, ScoreResponse
@@ -226,3 +227,29 @@ def test_one_p_task_context_per_distinct_task(loaded: LoadedModel) -> None:
     plan = scorer.plan_memory_request(MemoryScoresRequest.model_validate(body))
     assert [entry.task is not None for entry in plan.memory] == [True, True, False, False, False]
     assert [entry.task_of for entry in plan.memory] == [0, 1, 0, 1, 0]
+
+
+async def test_the_client_asks_for_p_task_only_when_told(app_client: AppClient) -> None:
+    """ScorerClient sends task_score only when true (a scorer older than it refuses unknown
+    fields); P_task is the same on the naive path."""
+    from mempo.api.scorer import MemoryTrajectory
+    from mempo.clients.scorer import ScorerClient
+
+    trajectory = MemoryTrajectory.model_validate(TRAJECTORY)
+    sent: list[bytes] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(request.read())
+
+    p_task = {}
+    for method in ("shared", "naive"):
+        async with app_client(method=method) as http:
+            http.event_hooks["request"] = [record]
+            client = ScorerClient("http://scorer", attempts=1, client=http)
+            plain = await client.memory_scores([trajectory])
+            asked = await client.memory_scores([trajectory, trajectory], task_score=True)
+        assert plain.results[0].p_task is None
+        assert asked.results[0].p_task == asked.results[1].p_task is not None
+        p_task[method] = asked.results[0].p_task
+    assert [b"task_score" in body for body in sent] == [False, True, False, True]
+    assert p_task["shared"] == pytest.approx(p_task["naive"], rel=1e-4)
